@@ -1,0 +1,248 @@
+internal import CFuse3
+import Glibc
+import StorageClient
+import StorefsCore
+
+// The low-level ops table. Each callback converts arguments, calls `Filesystem`, and replies;
+// nothing here decides semantics or errno values (those live in StorefsCore). Reads are the
+// only operation answered from another thread: they may wait on the network.
+
+private func context(_ req: fuse_req_t?) -> FuseContext {
+    Unmanaged<FuseContext>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
+}
+
+private func reply(_ req: fuse_req_t?, _ error: FilesystemError) {
+    _ = fuse_reply_err(req, Errno.value(for: error.code))
+}
+
+private func replyReadOnly(_ req: fuse_req_t?) {
+    _ = fuse_reply_err(req, Errno.value(for: .readOnly))
+}
+
+func makeStat(_ a: FileAttributes) -> stat {
+    var st = stat()
+    st.st_ino = __ino_t(a.inode)
+    st.st_mode = (a.kind == .directory ? S_IFDIR : S_IFREG) | mode_t(a.mode)
+    st.st_nlink = __nlink_t(a.linkCount)
+    st.st_uid = a.uid
+    st.st_gid = a.gid
+    st.st_size = Int(a.size)
+    st.st_blksize = 1 << 20
+    st.st_blocks = Int((a.size + 511) / 512)
+    let ts = timespec(tv_sec: Int(a.modified.seconds), tv_nsec: Int(a.modified.nanoseconds))
+    st.st_mtim = ts
+    st.st_ctim = ts
+    st.st_atim = ts
+    return st
+}
+
+private func replyEntry(_ req: fuse_req_t?, _ attributes: FileAttributes, timeout: Double) {
+    var entry = fuse_entry_param()
+    entry.ino = fuse_ino_t(attributes.inode)
+    entry.generation = 1
+    entry.attr = makeStat(attributes)
+    entry.attr_timeout = timeout
+    entry.entry_timeout = timeout
+    _ = fuse_reply_entry(req, &entry)
+}
+
+private func replyXattr(_ req: fuse_req_t?, _ value: [UInt8], size: Int) {
+    if size == 0 {
+        _ = fuse_reply_xattr(req, value.count)
+    } else if size < value.count {
+        _ = fuse_reply_err(req, Errno.value(for: .bufferTooSmall))
+    } else {
+        _ = value.withUnsafeBytes { fuse_reply_buf(req, $0.baseAddress?.assumingMemoryBound(to: CChar.self), value.count) }
+    }
+}
+
+func makeOperations() -> fuse_lowlevel_ops {
+    var ops = fuse_lowlevel_ops()
+
+    ops.`init` = { userdata, conn in
+        guard let conn else { return }
+        // With the bdi read_ahead_kb raised at mount, this makes sequential reads arrive as 1 MiB requests.
+        conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
+        conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
+        conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_AUTO_INVAL_DATA)
+    }
+
+    ops.lookup = { req, parent, name in
+        let ctx = context(req)
+        let fs = ctx.fs
+        let child = String(cString: name!)
+        do {
+            let a = try fs.lookup(parent: UInt64(parent), name: child)
+            replyEntry(req, a, timeout: fs.config.statTTL)
+        } catch let e as FilesystemError {
+            if e.code == .noEntry && fs.config.negativeTTL > 0 {
+                // ino 0 = a negative entry the kernel may cache for negative_ttl.
+                var entry = fuse_entry_param()
+                entry.entry_timeout = fs.config.negativeTTL
+                _ = fuse_reply_entry(req, &entry)
+            } else {
+                reply(req, e)
+            }
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.forget = { req, ino, nlookup in
+        context(req).fs.forget(UInt64(ino), count: UInt64(nlookup))
+        fuse_reply_none(req)
+    }
+
+    ops.forget_multi = { req, count, forgets in
+        let fs = context(req).fs
+        for i in 0..<count {
+            let f = forgets![i]
+            fs.forget(UInt64(f.ino), count: UInt64(f.nlookup))
+        }
+        fuse_reply_none(req)
+    }
+
+    ops.getattr = { req, ino, _ in
+        let fs = context(req).fs
+        do {
+            var st = makeStat(try fs.attributes(of: UInt64(ino)))
+            _ = fuse_reply_attr(req, &st, fs.config.statTTL)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.opendir = { req, ino, fi in
+        let fs = context(req).fs
+        do {
+            fi!.pointee.fh = try fs.openDirectory(UInt64(ino))
+            fi!.pointee.cache_readdir = 0
+            _ = fuse_reply_open(req, fi)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.readdir = { req, _, size, off, fi in
+        let fs = context(req).fs
+        do {
+            let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off))
+            var buffer = [CChar](repeating: 0, count: size)
+            var used = 0
+            buffer.withUnsafeMutableBufferPointer { out in
+                for e in entries {
+                    var st = stat()
+                    st.st_ino = __ino_t(e.inode)
+                    st.st_mode = e.kind == .directory ? S_IFDIR : S_IFREG
+                    let need = fuse_add_direntry(req, out.baseAddress! + used, size - used, e.name, &st, off_t(e.nextOffset))
+                    if used + need > size { break }
+                    used += need
+                }
+            }
+            _ = fuse_reply_buf(req, buffer, used)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.releasedir = { req, _, fi in
+        context(req).fs.release(fi!.pointee.fh)
+        _ = fuse_reply_err(req, 0)
+    }
+
+    ops.open = { req, ino, fi in
+        let fs = context(req).fs
+        do {
+            let opened = try fs.open(UInt64(ino), flags: fi!.pointee.flags)
+            fi!.pointee.fh = opened.handle
+            fi!.pointee.keep_cache = opened.keepCache ? 1 : 0
+            _ = fuse_reply_open(req, fi)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.read = { req, _, size, off, fi in
+        let ctx = context(req)
+        let r = Request(raw: req!)
+        let handle = fi!.pointee.fh
+        let count = min(size, ctx.buffers.bufferSize)
+        ctx.inFlight.add(1, ordering: .acquiring)
+        ctx.workers.submit {
+            defer { ctx.inFlight.subtract(1, ordering: .releasing) }
+            let buffer = ctx.buffers.take()
+            defer { ctx.buffers.give(buffer) }
+            do {
+                let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
+                                        isCancelled: { fuse_req_interrupted(r.raw) != 0 })
+                _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+            } catch let e as FilesystemError {
+                reply(r.raw, e)
+            } catch {
+                _ = fuse_reply_err(r.raw, EIO)
+            }
+        }
+    }
+
+    ops.release = { req, _, fi in
+        context(req).fs.release(fi!.pointee.fh)
+        _ = fuse_reply_err(req, 0)
+    }
+
+    ops.getxattr = { req, ino, name, size in
+        let fs = context(req).fs
+        do {
+            replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: String(cString: name!)), size: size)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.listxattr = { req, ino, size in
+        let fs = context(req).fs
+        do {
+            var list: [UInt8] = []
+            for name in try fs.extendedAttributeNames(UInt64(ino)) { list += Array(name.utf8) + [0] }
+            replyXattr(req, list, size: size)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
+    ops.statfs = { req, _ in
+        var st = statvfs()
+        st.f_bsize = 1 << 20
+        st.f_frsize = 1 << 20
+        st.f_namemax = 255
+        st.f_flag = UInt(ST_RDONLY)
+        _ = fuse_reply_statfs(req, &st)
+    }
+
+    // Everything that would change the bucket.
+    ops.setattr = { req, _, _, _, _ in replyReadOnly(req) }
+    ops.mknod = { req, _, _, _, _ in replyReadOnly(req) }
+    ops.mkdir = { req, _, _, _ in replyReadOnly(req) }
+    ops.unlink = { req, _, _ in replyReadOnly(req) }
+    ops.rmdir = { req, _, _ in replyReadOnly(req) }
+    ops.symlink = { req, _, _, _ in replyReadOnly(req) }
+    ops.rename = { req, _, _, _, _, _ in replyReadOnly(req) }
+    ops.link = { req, _, _, _ in replyReadOnly(req) }
+    ops.create = { req, _, _, _, _ in replyReadOnly(req) }
+    ops.write = { req, _, _, _, _, _ in replyReadOnly(req) }
+    ops.setxattr = { req, _, _, _, _, _ in replyReadOnly(req) }
+    ops.removexattr = { req, _, _ in replyReadOnly(req) }
+    ops.fallocate = { req, _, _, _, _, _ in replyReadOnly(req) }
+    return ops
+}

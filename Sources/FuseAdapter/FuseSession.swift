@@ -1,0 +1,125 @@
+internal import CFuse3
+import Foundation
+import Glibc
+import StorefsCore
+
+/// Mounts a `Filesystem`, runs the FUSE loop, and unmounts, the libfuse3 low-level way:
+/// session → signal handlers → mount → (daemonize) → multi-threaded loop → drain → unmount.
+public enum FuseSession {
+    /// The kernel's largest request here (max_pages 256): also the read buffer size.
+    public static let maxRequestSize = 1 << 20
+
+    public struct Settings: Sendable {
+        public var mountpoint: String
+        public var fsname: String
+        public var foreground: Bool
+        public var debug: Bool
+        /// Extra `-o` options for libfuse (allow_other, default_permissions, fsname=…).
+        public var fuseOptions: [String]
+        public var readWorkers: Int
+        public var maxThreads: Int
+
+        public init(mountpoint: String, fsname: String, foreground: Bool, debug: Bool, fuseOptions: [String],
+                    readWorkers: Int = 16, maxThreads: Int = 32) {
+            self.mountpoint = mountpoint
+            self.fsname = fsname
+            self.foreground = foreground
+            self.debug = debug
+            self.fuseOptions = fuseOptions
+            self.readWorkers = readWorkers
+            self.maxThreads = maxThreads
+        }
+    }
+
+    public struct MountError: Error, CustomStringConvertible {
+        public let message: String
+        public var description: String { message }
+    }
+
+    /// Runs until unmounted or signalled (SIGTERM, SIGINT, SIGHUP); returns the exit status.
+    /// `ready` runs once the mount exists and this is the process that serves it (after fork).
+    public static func run(_ fs: Filesystem, _ settings: Settings, ready: () -> Void) throws(MountError) -> Int32 {
+        let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers)
+        var options = ["ro", "subtype=storefs", "default_permissions"]
+        if !settings.fuseOptions.contains(where: { $0.hasPrefix("fsname=") }) {
+            options.append("fsname=" + settings.fsname.replacingOccurrences(of: ",", with: "\\,"))
+        }
+        options += settings.fuseOptions.filter { $0 != "default_permissions" }
+        var argvStrings = ["storefs", "-o", options.joined(separator: ",")]
+        if settings.debug { argvStrings.append("-d") }
+        let argv = UnsafeMutablePointer<UnsafeMutablePointer<CChar>?>.allocate(capacity: argvStrings.count + 1)
+        for (i, s) in argvStrings.enumerated() { argv[i] = strdup(s) }
+        argv[argvStrings.count] = nil
+        var args = fuse_args(argc: Int32(argvStrings.count), argv: argv, allocated: 0)
+        defer {
+            fuse_opt_free_args(&args)
+            for i in 0..<argvStrings.count { free(argv[i]) }
+            argv.deallocate()
+        }
+
+        var ops = makeOperations()
+        let userdata = Unmanaged.passRetained(ctx).toOpaque()
+        guard let se = fuse_session_new(&args, &ops, MemoryLayout<fuse_lowlevel_ops>.size, userdata) else {
+            throw MountError(message: "libfuse rejected the options '\(options.joined(separator: ","))'")
+        }
+        defer { fuse_session_destroy(se) }
+
+        // Background jobs inherit SIGINT as ignored, and libfuse only installs its handlers
+        // over SIG_DFL (fuse-swift-notes.md pitfall 10).
+        signal(SIGINT, SIG_DFL)
+        signal(SIGTERM, SIG_DFL)
+        signal(SIGHUP, SIG_DFL)
+        guard fuse_set_signal_handlers(se) == 0 else { throw MountError(message: "cannot install signal handlers") }
+        defer { fuse_remove_signal_handlers(se) }
+
+        guard fuse_session_mount(se, settings.mountpoint) == 0 else {
+            throw MountError(message: "cannot mount on \(settings.mountpoint): is /dev/fuse available and are you allowed to mount there (root, or fusermount3 setuid)?")
+        }
+        defer { fuse_session_unmount(se) }
+        raiseReadahead(mountpoint: settings.mountpoint)
+
+        if !settings.foreground {
+            // mount(8) waits for us: the parent exits here once the mount exists.
+            guard fuse_daemonize(0) == 0 else { throw MountError(message: "cannot daemonize") }
+            Log.useSyslog()
+        }
+        ctx.startWorkers()
+        ready()
+        Log.info("mounted \(settings.fsname) on \(settings.mountpoint)")
+
+        let config = fuse_loop_cfg_create()
+        fuse_loop_cfg_set_max_threads(config, UInt32(settings.maxThreads))
+        fuse_loop_cfg_set_clone_fd(config, 0)
+        let rc = fuse_session_loop_mt(se, config)
+        fuse_loop_cfg_destroy(config)
+
+        // Replies owed by workers must land before the session goes away.
+        let deadline = Date().addingTimeInterval(10)
+        while ctx.inFlight.load(ordering: .acquiring) > 0 && Date() < deadline { usleep(2000) }
+        ctx.stopWorkers()
+        Log.info("unmounting \(settings.mountpoint) (loop status \(rc))")
+        // rc is 0 on unmount, or the number of the signal that ended the loop: both are clean.
+        return rc < 0 ? 1 : 0
+    }
+
+    /// Writes `read_ahead_kb` of the mount's backing device so buffered sequential reads arrive
+    /// as 1 MiB requests (fuse-swift-notes.md pitfall 8). Best effort: needs root.
+    private static func raiseReadahead(mountpoint: String) {
+        guard let mountinfo = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return }
+        let escaped = mountpoint.replacingOccurrences(of: " ", with: "\\040")
+        for line in mountinfo.split(separator: "\n").reversed() {
+            let fields = line.split(separator: " ")
+            guard fields.count > 4, fields[4] == escaped else { continue }
+            let path = "/sys/class/bdi/\(fields[2])/read_ahead_kb"
+            let value = "\(maxRequestSize / 1024)\n"
+            let fd = open(path, O_WRONLY)
+            if fd >= 0 {
+                _ = value.withCString { write(fd, $0, strlen($0)) }
+                close(fd)
+            } else {
+                Log.debug("cannot raise readahead at \(path): \(String(cString: strerror(errno)))")
+            }
+            return
+        }
+    }
+}

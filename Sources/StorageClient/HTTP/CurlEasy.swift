@@ -1,0 +1,195 @@
+internal import CCurl
+import Foundation
+
+/// Owns one libcurl easy handle. A handle keeps its connection alive between requests, so
+/// `HTTPClient` pools these rather than creating one per request.
+final class CurlEasy {
+    let handle: UnsafeMutableRawPointer
+
+    init() {
+        CurlGlobal.ensureInitialised()
+        guard let h = curl_easy_init() else { fatalError("curl_easy_init failed: out of memory") }
+        handle = h
+    }
+
+    deinit { curl_easy_cleanup(handle) }
+}
+
+/// `curl_global_init` must run once, before any other thread uses libcurl.
+enum CurlGlobal {
+    private static let initialised: Bool = {
+        curl_global_init(ccurl_global_default())
+        return true
+    }()
+
+    static func ensureInitialised() { _ = initialised }
+}
+
+/// Per-request state that libcurl's C callbacks reach through their userdata pointer.
+/// It lives on the performing thread's stack frame for the duration of `curl_easy_perform`.
+final class CurlTransfer {
+    enum Sink {
+        /// Keep the body (JSON answers), refusing more than `limit` bytes.
+        case collect(limit: Int)
+        /// Copy the bytes of `[start, start + buffer.count)` into `buffer`, whether the server
+        /// answers 206 for that range or 200 with the whole object.
+        case window(buffer: UnsafeMutableRawBufferPointer, start: Int64)
+    }
+
+    let sink: Sink
+    let isCancelled: (@Sendable () -> Bool)?
+    /// The easy handle performing this transfer (for `CURLINFO_RESPONSE_CODE` in callbacks).
+    var handle: UnsafeMutableRawPointer?
+    var status = 0
+    var headers: [String: String] = [:]
+    var body: [UInt8] = []
+    /// Set once the first body byte arrives and the status has been examined.
+    private var bodyMode: BodyMode = .undecided
+    private var skip: Int64 = 0
+    var filled = 0
+    /// The window was full and the transfer was stopped on purpose (a 200 answer to a range).
+    var stoppedEarly = false
+    var failure: StorageError?
+
+    private enum BodyMode { case undecided, collect, window, error }
+
+    init(sink: Sink, isCancelled: (@Sendable () -> Bool)?) {
+        self.sink = sink
+        self.isCancelled = isCancelled
+    }
+
+    func header(line: UnsafeBufferPointer<UInt8>) {
+        if line.starts(with: "HTTP/".utf8) {
+            headers.removeAll(keepingCapacity: true)
+            return
+        }
+        guard let colon = line.firstIndex(of: UInt8(ascii: ":")) else { return }
+        let name = String(decoding: line[..<colon], as: UTF8.self).lowercased()
+        let value = String(decoding: line[(colon + 1)...], as: UTF8.self)
+            .trimmingCharacters(in: .whitespacesAndNewlines)
+        if let old = headers[name] { headers[name] = old + "," + value } else { headers[name] = value }
+    }
+
+    /// Returns how many bytes were consumed; anything less than `data.count` aborts the transfer.
+    func body(_ data: UnsafeRawBufferPointer, status: Int) -> Int {
+        if let isCancelled, isCancelled() {
+            failure = StorageError(.cancelled, "transfer cancelled")
+            return 0
+        }
+        if bodyMode == .undecided { decide(status: status) }
+        switch bodyMode {
+        case .undecided:
+            return 0
+        case .collect, .error:
+            let limit: Int
+            if case .collect(let l) = sink, bodyMode == .collect { limit = l } else { limit = 64 * 1024 }
+            if body.count + data.count > limit {
+                if bodyMode == .error { return data.count }  // error bodies are only informative
+                failure = StorageError(.invalidResponse, "response body larger than \(limit) bytes")
+                return 0
+            }
+            body.append(contentsOf: data)
+            return data.count
+        case .window:
+            guard case .window(let buffer, _) = sink else { return 0 }
+            var chunk = data
+            if skip > 0 {
+                let drop = Int(min(skip, Int64(chunk.count)))
+                skip -= Int64(drop)
+                chunk = UnsafeRawBufferPointer(rebasing: chunk[drop...])
+            }
+            let room = buffer.count - filled
+            let n = min(room, chunk.count)
+            if n > 0 {
+                buffer.baseAddress!.advanced(by: filled).copyMemory(from: chunk.baseAddress!, byteCount: n)
+                filled += n
+            }
+            if n < chunk.count {
+                if status == 200 {
+                    stoppedEarly = true  // the whole object came back; we have our slice
+                } else {
+                    failure = StorageError(.invalidResponse, "server sent more bytes than the requested range")
+                }
+                return 0
+            }
+            return data.count
+        }
+    }
+
+    private func decide(status: Int) {
+        self.status = status
+        guard (200..<300).contains(status) else {
+            bodyMode = .error
+            return
+        }
+        switch sink {
+        case .collect:
+            bodyMode = .collect
+        case .window(let buffer, let start):
+            if status == 206 {
+                guard let range = headers["content-range"].flatMap(ContentRange.init(header:)),
+                      range.first == start, range.last - range.first < Int64(buffer.count)
+                else {
+                    failure = StorageError(.invalidResponse,
+                                           "206 answer whose Content-Range '\(headers["content-range"] ?? "")' does not match the requested range starting at \(start)")
+                    bodyMode = .error
+                    return
+                }
+                skip = 0
+            } else {
+                skip = start  // 200: the whole body; slice our window out of it
+            }
+            bodyMode = .window
+        }
+    }
+}
+
+/// `Content-Range: bytes first-last/total` (total may be `*`).
+struct ContentRange: Equatable {
+    var first: Int64
+    var last: Int64
+    var total: Int64?
+
+    init(first: Int64, last: Int64, total: Int64?) {
+        self.first = first
+        self.last = last
+        self.total = total
+    }
+
+    init?(header: String) {
+        let t = header.trimmingCharacters(in: .whitespaces)
+        guard t.lowercased().hasPrefix("bytes ") else { return nil }
+        let spec = t.dropFirst(6)
+        let parts = spec.split(separator: "/", maxSplits: 1)
+        guard parts.count == 2 else { return nil }
+        let range = parts[0].split(separator: "-", maxSplits: 1)
+        guard range.count == 2, let f = Int64(range[0]), let l = Int64(range[1]), f <= l else { return nil }
+        first = f
+        last = l
+        total = parts[1] == "*" ? nil : Int64(parts[1])
+        if total == nil && parts[1] != "*" { return nil }
+    }
+}
+
+// C callbacks: capture nothing, find the transfer through userdata.
+let curlWriteCallback: ccurl_data_cb = { ptr, size, nmemb, userdata in
+    let transfer = Unmanaged<CurlTransfer>.fromOpaque(userdata!).takeUnretainedValue()
+    let count = size * nmemb
+    var status = transfer.status
+    if status == 0, let h = transfer.handle {
+        var code: Int = 0
+        _ = ccurl_getinfo_long(h, CURLINFO_RESPONSE_CODE, &code)
+        status = code
+    }
+    let used = transfer.body(UnsafeRawBufferPointer(start: ptr, count: count), status: status)
+    return used
+}
+
+let curlHeaderCallback: ccurl_data_cb = { ptr, size, nmemb, userdata in
+    let transfer = Unmanaged<CurlTransfer>.fromOpaque(userdata!).takeUnretainedValue()
+    let count = size * nmemb
+    ptr!.withMemoryRebound(to: UInt8.self, capacity: count) {
+        transfer.header(line: UnsafeBufferPointer(start: $0, count: count))
+    }
+    return count
+}

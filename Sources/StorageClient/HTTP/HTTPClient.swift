@@ -1,0 +1,148 @@
+internal import CCurl
+import Foundation
+import Synchronization
+
+/// A finished HTTP exchange. Header names are lower-cased; repeated headers are comma-joined.
+public struct HTTPResponse: Sendable {
+    public var status: Int
+    public var headers: [String: String]
+    /// The collected body (JSON answers, error bodies); empty for window reads.
+    public var body: [UInt8]
+    /// Bytes written into the caller's buffer by a window read.
+    public var bytesRead: Int
+}
+
+/// Blocking HTTP over libcurl with connection reuse.
+///
+/// Each call runs `curl_easy_perform` on the calling thread, so callers must be threads we own
+/// (FUSE workers, the fetch pool), never Swift's cooperative pool. Easy handles are pooled:
+/// a handle keeps its TCP/TLS connection, so consecutive requests skip the handshake.
+/// Automatic decompression is never enabled: gzip objects are read as their stored bytes.
+public final class HTTPClient: Sendable {
+    public struct Timeouts: Sendable {
+        public var connect: Int = 10
+        /// A transfer slower than 1 byte/s for this long is abandoned (and retried by the caller).
+        public var stall: Int = 30
+        public init(connect: Int = 10, stall: Int = 30) {
+            self.connect = connect
+            self.stall = stall
+        }
+    }
+
+    private struct Handles: ~Copyable { var idle: [CurlEasyBox] = [] }
+    private struct CurlEasyBox: @unchecked Sendable { let easy: CurlEasy }
+
+    private let pool = Mutex(Handles())
+    private let timeouts: Timeouts
+    private let userAgent: String
+
+    public init(timeouts: Timeouts = Timeouts(), userAgent: String) {
+        self.timeouts = timeouts
+        self.userAgent = userAgent
+        CurlGlobal.ensureInitialised()
+    }
+
+    /// GET `url` and collect at most `limit` bytes of body.
+    public func get(_ url: String, headers: [String], limit: Int = 64 << 20,
+                    isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+        try perform(url, headers: headers, sink: .collect(limit: limit), isCancelled: isCancelled)
+    }
+
+    /// GET `url` with `Range: bytes=start-(start+buffer.count-1)` and copy exactly those bytes into
+    /// `buffer`. A 206 must carry a matching Content-Range; a 200 (whole object) is sliced.
+    public func getRange(_ url: String, headers: [String], start: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                         isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+        precondition(buffer.count > 0, "no Range request for zero bytes")
+        let last = start + Int64(buffer.count) - 1
+        return try perform(url, headers: headers + ["Range: bytes=\(start)-\(last)"],
+                           sink: .window(buffer: buffer, start: start), isCancelled: isCancelled)
+    }
+
+    /// POST a body (token endpoints); answers are collected like `get`.
+    public func post(_ url: String, headers: [String], body: [UInt8], limit: Int = 1 << 20) throws(StorageError) -> HTTPResponse {
+        try perform(url, headers: headers, sink: .collect(limit: limit), isCancelled: nil, postBody: body)
+    }
+
+    private func checkout() -> CurlEasy {
+        if let box = pool.withLock({ $0.idle.popLast() }) { return box.easy }
+        return CurlEasy()
+    }
+
+    private func checkin(_ easy: CurlEasy) {
+        let box = CurlEasyBox(easy: easy)
+        pool.withLock { $0.idle.append(box) }
+    }
+
+    private func perform(_ url: String, headers: [String], sink: CurlTransfer.Sink,
+                         isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]? = nil) throws(StorageError) -> HTTPResponse {
+        let easy = checkout()
+        let h = easy.handle
+        curl_easy_reset(h)  // keeps the live connection and DNS cache, forgets per-request options
+        let transfer = CurlTransfer(sink: sink, isCancelled: isCancelled)
+        transfer.handle = h
+        var list: UnsafeMutablePointer<curl_slist>? = nil
+        for header in headers + ["Accept-Encoding: gzip", "Expect:"] { list = curl_slist_append(list, header) }
+        defer { curl_slist_free_all(list) }
+
+        _ = ccurl_setopt_str(h, CURLOPT_URL, url)
+        _ = ccurl_setopt_long(h, CURLOPT_NOSIGNAL, 1)
+        _ = ccurl_setopt_long(h, CURLOPT_TCP_KEEPALIVE, 1)
+        _ = ccurl_setopt_long(h, CURLOPT_CONNECTTIMEOUT, timeouts.connect)
+        _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_LIMIT, 1)
+        _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_TIME, timeouts.stall)
+        _ = ccurl_setopt_str(h, CURLOPT_USERAGENT, userAgent)
+        _ = ccurl_setopt_slist(h, CURLOPT_HTTPHEADER, list)
+        _ = ccurl_setopt_long(h, CURLOPT_BUFFERSIZE, 512 * 1024)
+        _ = ccurl_setopt_writefn(h, curlWriteCallback)
+        _ = ccurl_setopt_headerfn(h, curlHeaderCallback)
+        let opaque = Unmanaged.passUnretained(transfer).toOpaque()
+        _ = ccurl_setopt_ptr(h, CURLOPT_WRITEDATA, opaque)
+        _ = ccurl_setopt_ptr(h, CURLOPT_HEADERDATA, opaque)
+
+        let rc: CURLcode
+        if let postBody {
+            rc = postBody.withUnsafeBufferPointer { buf -> CURLcode in
+                _ = ccurl_setopt_long(h, CURLOPT_POST, 1)
+                _ = ccurl_setopt_long(h, CURLOPT_POSTFIELDSIZE, buf.count)
+                _ = ccurl_setopt_ptr(h, CURLOPT_POSTFIELDS, UnsafeMutableRawPointer(mutating: buf.baseAddress))
+                let rc = curl_easy_perform(h)
+                _ = ccurl_setopt_ptr(h, CURLOPT_POSTFIELDS, nil)
+                return rc
+            }
+        } else {
+            rc = curl_easy_perform(h)
+        }
+        withExtendedLifetime(transfer) {}
+        var status = 0
+        _ = ccurl_getinfo_long(h, CURLINFO_RESPONSE_CODE, &status)
+
+        if rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && transfer.stoppedEarly) {
+            checkin(easy)
+            if let failure = transfer.failure, transfer.status == 0 || (200..<300).contains(status) {
+                throw failure
+            }
+            if case .window(let buffer, _) = sink, (200..<300).contains(status), transfer.filled < buffer.count {
+                throw StorageError(.invalidResponse,
+                                   "short ranged answer: got \(transfer.filled) of \(buffer.count) bytes", httpStatus: status)
+            }
+            return HTTPResponse(status: status, headers: transfer.headers, body: transfer.body, bytesRead: transfer.filled)
+        }
+        // A failed transfer may leave the connection in an unknown state: drop the handle.
+        if let failure = transfer.failure { throw failure }
+        let reason = String(cString: curl_easy_strerror(rc))
+        switch rc {
+        case CURLE_COULDNT_RESOLVE_HOST, CURLE_COULDNT_CONNECT, CURLE_COULDNT_RESOLVE_PROXY:
+            throw StorageError(.unreachable, "cannot reach \(Self.origin(of: url)): \(reason)")
+        default:
+            throw StorageError(.retryLimitExceeded, "transfer from \(Self.origin(of: url)) failed: \(reason)")
+        }
+    }
+
+    /// `scheme://host:port` of a URL, for error messages that must not carry query strings.
+    static func origin(of url: String) -> String {
+        guard let r = url.range(of: "://") else { return url }
+        let rest = url[r.upperBound...]
+        let end = rest.firstIndex(where: { $0 == "/" || $0 == "?" }) ?? rest.endIndex
+        return String(url[..<end])
+    }
+}

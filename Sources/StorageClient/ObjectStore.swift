@@ -1,0 +1,17 @@
+/// The storage side of storefs: what the filesystem needs from a bucket, for either protocol.
+///
+/// All calls block the calling thread (they are made from threads storefs owns) and throw
+/// `StorageError`; names are full object names, never URL-encoded.
+public protocol ObjectStore: Sendable {
+    var bucket: String { get }
+    /// One page of `prefix` listed with `delimiter=/`.
+    func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage
+    /// The object's current metadata.
+    func metadata(of name: String) throws(StorageError) -> ObjectMetadata
+    /// Copies bytes `[offset, offset + buffer.count)` of generation `generation` into `buffer`.
+    /// The caller clamps the range to the object's size; `buffer` is never empty.
+    func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+              isCancelled: (@Sendable () -> Bool)?) throws(StorageError)
+    /// Proves the bucket exists and the credentials may list `prefix` (start-up check).
+    func checkAccess(prefix: String) throws(StorageError)
+}

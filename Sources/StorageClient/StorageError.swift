@@ -1,0 +1,66 @@
+/// Everything that can go wrong talking to a bucket, as one value type.
+///
+/// The `code` is what callers branch on (StorefsCore turns it into an errno in exactly one
+/// place); `message` is for people and never contains a token, a key or a signed URL.
+public struct StorageError: Error, Sendable, CustomStringConvertible {
+    public enum Code: Sendable, Equatable {
+        /// 404 on an object or bucket.
+        case notFound
+        /// 401: the credentials were refused (after a refresh, where one is possible).
+        case unauthenticated
+        /// 403: rules or IAM deny the request.
+        case unauthorized
+        /// 402 / 429 still failing after retries.
+        case quotaExceeded
+        /// 412, or the object's generation is no longer the one pinned at open.
+        case generationChanged
+        /// 5xx, 408, resets and timeouts still failing after retries.
+        case retryLimitExceeded
+        /// The endpoint could not be reached at all (DNS, refused connection).
+        case unreachable
+        /// A checksum of received or cached bytes did not match.
+        case checksumMismatch
+        /// The caller gave up (the reading process was interrupted).
+        case cancelled
+        /// The server answered something this client cannot use (bad JSON, bad Content-Range).
+        case invalidResponse
+        /// Bad input from our side (a malformed source, option or name).
+        case invalidArgument
+    }
+
+    public let code: Code
+    public let message: String
+    /// HTTP status when the error came from a response.
+    public let httpStatus: Int?
+    public let file: String
+    public let line: Int
+
+    public init(_ code: Code, _ message: String, httpStatus: Int? = nil,
+                file: String = #fileID, line: Int = #line) {
+        self.code = code
+        self.message = message
+        self.httpStatus = httpStatus
+        self.file = file
+        self.line = line
+    }
+
+    public var description: String {
+        if let httpStatus { return "\(message) (HTTP \(httpStatus))" }
+        return message
+    }
+
+    /// Classifies an HTTP status the way design.md's errno table expects.
+    public static func fromStatus(_ status: Int, what: String, file: String = #fileID, line: Int = #line) -> StorageError {
+        let code: Code
+        switch status {
+        case 404: code = .notFound
+        case 401: code = .unauthenticated
+        case 403: code = .unauthorized
+        case 402, 429: code = .quotaExceeded
+        case 412: code = .generationChanged
+        case 400, 405, 411, 413, 414, 416: code = .invalidResponse
+        default: code = .retryLimitExceeded
+        }
+        return StorageError(code, what, httpStatus: status, file: file, line: line)
+    }
+}

@@ -1,0 +1,39 @@
+import Glibc
+import StorageClient
+
+/// The one place where storefs decides an errno (design.md §1, "Errors").
+///
+/// Exhaustive on purpose: adding a case to `FilesystemError.Code` or `StorageError.Code`
+/// fails the build until its errno is chosen here.
+public enum Errno {
+    public static func value(for code: FilesystemError.Code) -> Int32 {
+        switch code {
+        case .storage(let storage): return value(for: storage)
+        case .noEntry: return ENOENT
+        case .readOnly: return EROFS
+        case .notDirectory: return ENOTDIR
+        case .isDirectory: return EISDIR
+        case .nameTooLong: return ENAMETOOLONG
+        case .noAttribute: return ENODATA
+        case .bufferTooSmall: return ERANGE
+        case .staleHandle: return EBADF
+        case .invalidArgument: return EINVAL
+        }
+    }
+
+    public static func value(for code: StorageError.Code) -> Int32 {
+        switch code {
+        case .notFound: return ENOENT             // objectNotFound, 404
+        case .unauthenticated: return EACCES      // 401 after one refresh
+        case .unauthorized: return EACCES         // 403: rules or IAM deny
+        case .quotaExceeded: return EAGAIN        // 402, 429 after retries
+        case .generationChanged: return ESTALE    // 412 / the pinned generation is gone
+        case .retryLimitExceeded: return EIO      // 5xx, 408, resets, timeouts after retries
+        case .unreachable: return EIO
+        case .checksumMismatch: return EIO        // nonMatchingChecksum
+        case .cancelled: return EINTR             // the reading process was interrupted
+        case .invalidResponse: return EIO
+        case .invalidArgument: return EINVAL
+        }
+    }
+}

@@ -1,0 +1,375 @@
+import Glibc
+import StorageClient
+import Synchronization
+
+/// The storefs namespace and read path, with no FUSE and no HTTP in sight.
+///
+/// The FUSE adapter calls these methods with inode and handle numbers and turns the answers
+/// (or `FilesystemError`s, through `Errno`) into replies. Paths here are relative to the mount
+/// root; `objectName(of:)` adds the mounted prefix. State lives in one `Mutex` per structure:
+/// the inode table, the listing cache, the negative cache, and the open handles.
+///
+/// Metadata flow: `readdir` lists a directory once (all pages) and caches it for `list_ttl`;
+/// `lookup` answers from that listing when it is fresh, and otherwise probes the name
+/// directly (one list call to see whether it is a directory — directories win — then one
+/// metadata GET). Missing names are remembered for `negative_ttl`.
+public final class Filesystem: Sendable {
+    public struct Config: Sendable {
+        public var statTTL: Double
+        public var listTTL: Double
+        public var negativeTTL: Double
+        public var uid: UInt32
+        public var gid: UInt32
+        public var fileMode: UInt32
+        public var dirMode: UInt32
+
+        public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
+                    gid: UInt32 = getgid(), fileMode: UInt32 = 0o444, dirMode: UInt32 = 0o555) {
+            self.statTTL = statTTL
+            self.listTTL = listTTL
+            self.negativeTTL = negativeTTL
+            self.uid = uid
+            self.gid = gid
+            self.fileMode = fileMode
+            self.dirMode = dirMode
+        }
+    }
+
+    public static let rootInode: UInt64 = 1
+    /// Bound on cached directory listings; the oldest go first past it.
+    static let maxCachedListings = 4096
+
+    public let config: Config
+    public let reference: StorageReference
+    let store: ObjectStore
+    let reader: RangeReader
+    private let mountTime: Timestamp
+
+    private let table = Mutex(InodeTable())
+    private let listings = Mutex([String: CachedListing]())
+    private let negatives = Mutex([String: Double]())
+    private let handles = Mutex(Handles())
+    private let shadowLogged = Mutex(Set<String>())
+
+    public init(store: ObjectStore, reference: StorageReference, config: Config, reader: RangeReader? = nil) {
+        self.store = store
+        self.reference = reference
+        self.config = config
+        self.reader = reader ?? DirectRangeReader(store: store)
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))
+    }
+
+    // MARK: Names
+
+    /// The object name (or listing prefix, without its trailing `/`) of a mount-relative path.
+    public func objectName(of path: String) -> String {
+        if reference.prefix.isEmpty { return path }
+        return path.isEmpty ? reference.prefix : reference.prefix + "/" + path
+    }
+
+    private func listingPrefix(of dirPath: String) -> String {
+        let name = objectName(of: dirPath)
+        return name.isEmpty ? "" : name + "/"
+    }
+
+    private static func join(_ dir: String, _ name: String) -> String { dir.isEmpty ? name : dir + "/" + name }
+
+    // MARK: Lookup and attributes
+
+    /// Resolves `name` in directory `parent` and counts one kernel reference to the result.
+    public func lookup(parent: UInt64, name: String) throws(FilesystemError) -> FileAttributes {
+        let parentPath = try directoryPath(parent)
+        guard DirectoryListing.isRepresentable(Substring(name)), !name.contains("/") else {
+            if name.utf8.count > 255 { throw FilesystemError(.nameTooLong, "name longer than 255 bytes") }
+            throw FilesystemError(.noEntry, "name cannot be a path component")
+        }
+        let path = Self.join(parentPath, name)
+        let entry = try resolve(path: path, parentPath: parentPath, name: name)
+        return register(path: path, entry: entry, countLookup: true)
+    }
+
+    /// Drops `count` kernel references; an inode nobody references is forgotten.
+    public func forget(_ inode: UInt64, count: UInt64) {
+        table.withLock { $0.forget(inode, count: count) }
+    }
+
+    public func attributes(of inode: UInt64) throws(FilesystemError) -> FileAttributes {
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        guard case .file(let meta, let fetched) = node.kind, now() - fetched >= config.statTTL else {
+            return attributes(inode, node)
+        }
+        // Stale: refresh from the parent listing if it is fresh, else from the object itself.
+        let parentPath = node.path.split(separator: "/").dropLast().joined(separator: "/")
+        let name = String(node.path.split(separator: "/").last ?? "")
+        do throws(FilesystemError) {
+            let entry = try resolve(path: node.path, parentPath: parentPath, name: name, forceProbe: false)
+            guard case .file(let fresh) = entry else { throw FilesystemError(.noEntry, "\(node.path) is now a directory") }
+            let updated = table.withLock { $0.refresh(inode, meta: fresh, at: now()) }
+            return attributes(inode, updated ?? node)
+        } catch {
+            if case .storage(let code) = error.code, code != .notFound {
+                Log.debug("op=getattr ino=\(inode) serving cached attributes: \(error.message)")
+                return attributes(inode, Node(path: node.path, kind: .file(meta, fetched), lookups: node.lookups))
+            }
+            throw error
+        }
+    }
+
+    private func attributes(_ inode: UInt64, _ node: Node) -> FileAttributes {
+        switch node.kind {
+        case .directory:
+            return FileAttributes(inode: inode, kind: .directory, size: 4096, mode: config.dirMode, uid: config.uid,
+                                  gid: config.gid, modified: mountTime, linkCount: 2)
+        case .file(let meta, _):
+            return FileAttributes(inode: inode, kind: .file, size: meta.size, mode: config.fileMode, uid: config.uid,
+                                  gid: config.gid, modified: meta.modificationTime, linkCount: 1)
+        }
+    }
+
+    private func directoryPath(_ inode: UInt64) throws(FilesystemError) -> String {
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        guard case .directory = node.kind else { throw FilesystemError(.notDirectory, "\(node.path) is a file") }
+        return node.path
+    }
+
+    private func resolve(path: String, parentPath: String, name: String, forceProbe: Bool = false) throws(FilesystemError) -> DirectoryListing.Entry {
+        if !forceProbe, let listing = freshListing(parentPath) {
+            guard let entry = listing.entries[name] else { throw FilesystemError(.noEntry, "no \(path)") }
+            return entry
+        }
+        if let until = negatives.withLock({ $0[path] }), until > now() {
+            throw FilesystemError(.noEntry, "no \(path) (cached)")
+        }
+        let objectName = objectName(of: path)
+        do throws(StorageError) {
+            // Directories win over a same-named file, so ask about the prefix first.
+            let page = try store.list(prefix: objectName + "/", pageToken: nil)
+            if !page.items.isEmpty || !page.prefixes.isEmpty { return .directory }
+            return .file(try store.metadata(of: objectName))
+        } catch {
+            if error.code == .notFound {
+                if config.negativeTTL > 0 { negatives.withLock { $0[path] = now() + config.negativeTTL } }
+                throw FilesystemError(.noEntry, "no \(path)")
+            }
+            Log.warn("op=lookup path=\(path) error=\(error.message)")
+            throw FilesystemError(error)
+        }
+    }
+
+    private func register(path: String, entry: DirectoryListing.Entry, countLookup: Bool) -> FileAttributes {
+        let t = now()
+        let (inode, node) = table.withLock { $0.upsert(path: path, entry: entry, at: t, countLookup: countLookup) }
+        return attributes(inode, node)
+    }
+
+    // MARK: Directories
+
+    /// Lists a directory (from cache when fresh) and pins a snapshot for readdir offsets.
+    public func openDirectory(_ inode: UInt64) throws(FilesystemError) -> UInt64 {
+        let path = try directoryPath(inode)
+        let listing = try fullListing(path)
+        var entries: [(String, FileAttributes.Kind, UInt64)] = [(".", .directory, inode), ("..", .directory, inode)]
+        let known = table.withLock { t in listing.entries.keys.reduce(into: [String: UInt64]()) { acc, name in
+            if let ino = t.byPath[Self.join(path, name)] { acc[name] = ino }
+        } }
+        for name in listing.sortedNames {
+            let kind: FileAttributes.Kind = listing.entries[name] == .directory ? .directory : .file
+            entries.append((name, kind, known[name] ?? Self.syntheticInode(Self.join(path, name))))
+        }
+        return handles.withLock { $0.add(.directory(entries)) }
+    }
+
+    /// Entries of an open directory from `offset` on (offsets are positions in the snapshot).
+    public func readDirectory(_ handle: UInt64, from offset: Int) throws(FilesystemError) -> ArraySlice<DirectoryEntry> {
+        guard case .directory(let entries)? = handles.withLock({ $0.open[handle] }) else {
+            throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
+        }
+        guard offset < entries.count else { return [] }
+        return entries[max(0, offset)...].enumerated().map { i, e in
+            DirectoryEntry(name: e.0, inode: e.2, kind: e.1, nextOffset: max(0, offset) + i + 1)
+        }[...]
+    }
+
+    public func release(_ handle: UInt64) {
+        _ = handles.withLock { $0.open.removeValue(forKey: handle) }
+    }
+
+    /// readdir reports inodes of names that were never looked up; these stay clear of real ones.
+    static func syntheticInode(_ path: String) -> UInt64 {
+        var h: UInt64 = 0xcbf2_9ce4_8422_2325
+        for b in path.utf8 { h = (h ^ UInt64(b)) &* 0x100_0000_01b3 }
+        return h | (1 << 63)
+    }
+
+    private func freshListing(_ dirPath: String) -> DirectoryListing? {
+        listings.withLock { l in
+            guard let c = l[dirPath], c.expires > now() else { return nil }
+            return c.listing
+        }
+    }
+
+    /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
+    func fullListing(_ dirPath: String) throws(FilesystemError) -> DirectoryListing {
+        if let l = freshListing(dirPath) { return l }
+        let prefix = listingPrefix(of: dirPath)
+        var pages: [ListPage] = []
+        var token: String? = nil
+        do throws(StorageError) {
+            repeat {
+                let page = try store.list(prefix: prefix, pageToken: token)
+                pages.append(page)
+                token = page.nextPageToken
+            } while token != nil
+        } catch {
+            Log.warn("op=readdir prefix=\(prefix) error=\(error.message)")
+            throw FilesystemError(error)
+        }
+        let listing = DirectoryListing(prefix: prefix, pages: pages)
+        for name in listing.shadowedFiles {
+            let full = Self.join(dirPath, name)
+            if shadowLogged.withLock({ $0.insert(full).inserted }) {
+                Log.info("object \(objectName(of: full)) is hidden by the directory of the same name")
+            }
+        }
+        if config.listTTL > 0 {
+            let expires = now() + config.listTTL
+            listings.withLock { l in
+                if l.count >= Self.maxCachedListings {
+                    let t = now()
+                    l = l.filter { $0.value.expires > t }
+                    if l.count >= Self.maxCachedListings { l.removeAll() }
+                }
+                l[dirPath] = CachedListing(listing: listing, expires: expires)
+            }
+        }
+        return listing
+    }
+
+    // MARK: Files
+
+    public struct OpenResult: Sendable {
+        public var handle: UInt64
+        /// The kernel may keep its page cache: the generation is the one it cached last time.
+        public var keepCache: Bool
+    }
+
+    /// Opens a file for reading; any write intent is EROFS. The generation is pinned here.
+    public func open(_ inode: UInt64, flags: Int32) throws(FilesystemError) -> OpenResult {
+        if flags & O_ACCMODE != O_RDONLY || flags & O_TRUNC != 0 || flags & O_CREAT != 0 {
+            throw FilesystemError(.readOnly, "storefs is read-only")
+        }
+        _ = try attributes(of: inode)  // refreshes stale metadata
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        guard case .file(let meta, _) = node.kind else { throw FilesystemError(.isDirectory, "\(node.path) is a directory") }
+        let keep = table.withLock { t in
+            let previous = t.lastOpenedGeneration[inode]
+            t.lastOpenedGeneration[inode] = meta.generation
+            return previous == meta.generation
+        }
+        let handle = handles.withLock { $0.add(.file(OpenFile(meta: meta))) }
+        return OpenResult(handle: handle, keepCache: keep)
+    }
+
+    /// Reads up to `buffer.count` bytes at `offset` of an open file into `buffer`; returns the
+    /// count (0 at or past the end). Blocks on the network on a miss: call from a worker.
+    public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                     isCancelled: (@Sendable () -> Bool)? = nil) throws(FilesystemError) -> Int {
+        guard case .file(let file)? = handles.withLock({ $0.open[handle] }) else {
+            throw FilesystemError(.staleHandle, "unknown file handle \(handle)")
+        }
+        let meta = file.meta
+        guard offset >= 0 else { throw FilesystemError(.invalidArgument, "negative offset") }
+        guard offset < meta.size, buffer.count > 0 else { return 0 }
+        let count = Int(min(Int64(buffer.count), meta.size - offset))
+        let window = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])
+        do throws(StorageError) {
+            try reader.read(meta, at: offset, into: window, isCancelled: isCancelled)
+        } catch {
+            Log.warn("op=read object=\(meta.name) gen=\(meta.generation) offset=\(offset) error=\(error.message)")
+            throw FilesystemError(error)
+        }
+        return count
+    }
+
+    // MARK: Extended attributes
+
+    static let xattrPrefix = "user.storefs."
+
+    public func extendedAttributeNames(_ inode: UInt64) throws(FilesystemError) -> [String] {
+        try xattrs(inode).map(\.0)
+    }
+
+    public func extendedAttribute(_ inode: UInt64, name: String) throws(FilesystemError) -> [UInt8] {
+        guard let value = try xattrs(inode).first(where: { $0.0 == name })?.1 else {
+            throw FilesystemError(.noAttribute, "no attribute \(name)")
+        }
+        return Array(value.utf8)
+    }
+
+    private func xattrs(_ inode: UInt64) throws(FilesystemError) -> [(String, String)] {
+        _ = try attributes(of: inode)
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        let p = Self.xattrPrefix
+        guard case .file(let m, _) = node.kind else {
+            let name = listingPrefix(of: node.path)
+            return [(p + "gs_uri", "gs://\(reference.bucket)/\(name)")]
+        }
+        var out: [(String, String)] = [
+            (p + "download_url", DownloadURL.forObject(m)),
+            (p + "gs_uri", "gs://\(m.bucket)/\(m.name)"),
+            (p + "generation", String(m.generation)),
+        ]
+        if let v = m.contentType { out.append((p + "content_type", v)) }
+        if let v = m.md5Hash { out.append((p + "md5", v)) }
+        if let v = m.crc32c { out.append((p + "crc32c", v)) }
+        if let v = m.contentEncoding { out.append((p + "content_encoding", v)) }
+        if let v = m.cacheControl { out.append((p + "cache_control", v)) }
+        // Download tokens are capabilities: they appear only inside download_url.
+        for key in m.custom.keys.sorted() where key != "firebaseStorageDownloadTokens" {
+            out.append((p + "meta." + key, m.custom[key]!))
+        }
+        return out
+    }
+}
+
+func now() -> Double {
+    var ts = timespec()
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
+}
+
+struct CachedListing {
+    var listing: DirectoryListing
+    var expires: Double
+}
+
+struct OpenFile {
+    var meta: ObjectMetadata
+}
+
+struct Handles {
+    enum Open {
+        case file(OpenFile)
+        case directory([(String, FileAttributes.Kind, UInt64)])
+    }
+
+    var open: [UInt64: Open] = [:]
+    var next: UInt64 = 1
+
+    mutating func add(_ o: Open) -> UInt64 {
+        let h = next
+        next += 1
+        open[h] = o
+        return h
+    }
+}

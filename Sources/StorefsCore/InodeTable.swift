@@ -1,0 +1,77 @@
+import StorageClient
+
+struct Node {
+    enum Kind {
+        case directory
+        /// Metadata and the monotonic time it was fetched.
+        case file(ObjectMetadata, Double)
+    }
+
+    var path: String
+    var kind: Kind
+    /// Kernel references (lookup replies not yet forgotten).
+    var lookups: UInt64
+}
+
+/// Inode numbers for paths. A path keeps its inode while its content is unchanged; a new
+/// generation of a file gets a new inode, so the kernel never mixes two versions' pages.
+struct InodeTable {
+    var nodes: [UInt64: Node] = [Filesystem.rootInode: Node(path: "", kind: .directory, lookups: 1)]
+    var byPath: [String: UInt64] = ["": Filesystem.rootInode]
+    var lastOpenedGeneration: [UInt64: Int64] = [:]
+    private var next: UInt64 = 2
+
+    mutating func upsert(path: String, entry: DirectoryListing.Entry, at time: Double, countLookup: Bool) -> (UInt64, Node) {
+        let kind: Node.Kind
+        switch entry {
+        case .directory: kind = .directory
+        case .file(let meta): kind = .file(meta, time)
+        }
+        if let ino = byPath[path], var node = nodes[ino], node.kind.sameIdentity(as: kind) {
+            node.kind = kind
+            if countLookup { node.lookups += 1 }
+            nodes[ino] = node
+            return (ino, node)
+        }
+        let ino = next
+        next += 1
+        let node = Node(path: path, kind: kind, lookups: countLookup ? 1 : 0)
+        nodes[ino] = node
+        byPath[path] = ino
+        return (ino, node)
+    }
+
+    /// Updates a file's metadata; a changed generation re-points the path to a fresh inode
+    /// for future lookups, while this one keeps serving its handles.
+    mutating func refresh(_ ino: UInt64, meta: ObjectMetadata, at time: Double) -> Node? {
+        guard var node = nodes[ino] else { return nil }
+        if case .file(let old, _) = node.kind, old.generation != meta.generation {
+            if byPath[node.path] == ino { byPath.removeValue(forKey: node.path) }
+        }
+        node.kind = .file(meta, time)
+        nodes[ino] = node
+        return node
+    }
+
+    mutating func forget(_ ino: UInt64, count: UInt64) {
+        guard ino != Filesystem.rootInode, var node = nodes[ino] else { return }
+        node.lookups = node.lookups > count ? node.lookups - count : 0
+        if node.lookups == 0 {
+            nodes.removeValue(forKey: ino)
+            lastOpenedGeneration.removeValue(forKey: ino)
+            if byPath[node.path] == ino { byPath.removeValue(forKey: node.path) }
+        } else {
+            nodes[ino] = node
+        }
+    }
+}
+
+extension Node.Kind {
+    func sameIdentity(as other: Node.Kind) -> Bool {
+        switch (self, other) {
+        case (.directory, .directory): return true
+        case (.file(let a, _), .file(let b, _)): return a.generation == b.generation
+        default: return false
+        }
+    }
+}

@@ -1,0 +1,217 @@
+import Glibc
+import StorageClient
+
+/// The parsed command line: `storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT`.
+///
+/// Option names are the contract (design.md §1). mount(8) noise that mount.fuse3 passes
+/// through is accepted and dropped; a few FUSE options are forwarded to libfuse; anything
+/// else is an error that names the option.
+public struct MountOptions: Sendable, Equatable {
+    public var source: StorageReference
+    public var mountpoint: String
+    public var foreground = false
+    public var debug = false
+    public var endpoint = GCSJSONStore.defaultEndpoint
+    public var anonymous = false
+    public var tokenFile: String?
+    public var cacheDir: String?
+    public var statTTL: Double = 60
+    public var listTTL: Double = 60
+    public var negativeTTL: Double = 5
+    public var uid: UInt32?
+    public var gid: UInt32?
+    public var fileMode: UInt32 = 0o444
+    public var dirMode: UInt32 = 0o555
+    public var allowOther = false
+    public var logLevel: LogLevel = .info
+    /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
+    public var fuseOptions: [String] = []
+
+    public enum Command: Sendable, Equatable {
+        case help
+        case version
+        case mount(MountOptions)
+    }
+
+    public struct ParseError: Error, Sendable, Equatable, CustomStringConvertible {
+        public let message: String
+        public var description: String { message }
+    }
+
+    /// mount(8) / mount.fuse3 options that mean nothing to a read-only FUSE daemon.
+    static let ignored: Set<String> = [
+        "rw", "ro", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto",
+        "user", "nouser", "users", "_netdev", "nofail", "defaults", "async", "sync", "atime",
+        "noatime", "relatime", "norelatime", "strictatime", "diratime", "nodiratime", "loud", "silent",
+    ]
+    static let forwardedFlags: Set<String> = ["allow_other", "default_permissions", "allow_root", "auto_unmount"]
+    static let forwardedValues: Set<String> = ["fsname", "subtype", "max_read"]
+
+    public static let usage = """
+        usage: storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT
+               storefs --help | --version
+
+        Mounts a Google Cloud Storage / Firebase Storage bucket as a read-only filesystem.
+        SOURCE is BUCKET, gs://BUCKET/PREFIX or https://firebasestorage.googleapis.com/v0/b/BUCKET/o/PREFIX.
+
+          -f                 stay in the foreground (log to stderr)
+          -d                 debug logging (implies -f)
+          -o endpoint=URL    API origin (default https://storage.googleapis.com; STORAGE_EMULATOR_HOST sets it)
+          -o anonymous       send no credentials
+          -o token_file=FILE OAuth2 access token, re-read when the file changes
+          -o cache_dir=DIR   block cache directory
+          -o stat_ttl=S      seconds object attributes are trusted (default 60)
+          -o list_ttl=S      seconds directory listings are trusted (default 60)
+          -o negative_ttl=S  seconds a missing name is remembered (default 5)
+          -o uid=N,gid=N     owner shown for every file (default: the mounting user)
+          -o file_mode=OCTAL mode of files (default 0444); dir_mode=OCTAL for directories (default 0555)
+          -o allow_other     let other users see the mount
+          -o log_level=L     error, warn, info (default), debug, trace
+        mount(8) options such as rw, ro, dev, suid, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
+        See storefs(8).
+        """
+
+    public static func parse(arguments: [String], environment: [String: String]) throws(ParseError) -> Command {
+        var positionals: [String] = []
+        var optionItems: [String] = []
+        var foreground = false
+        var debug = false
+        var i = 0
+        while i < arguments.count {
+            let a = arguments[i]
+            switch a {
+            case "-h", "--help": return .help
+            case "-V", "--version": return .version
+            case "-f": foreground = true
+            case "-d", "--debug": debug = true; foreground = true
+            case "-s": break  // single-threaded request from old helpers: storefs always runs multi-threaded
+            case "-o":
+                i += 1
+                guard i < arguments.count else { throw ParseError(message: "-o needs a value: -o OPT[,OPT...]") }
+                optionItems += split(arguments[i])
+            default:
+                if a.hasPrefix("-o") && a.count > 2 {
+                    optionItems += split(String(a.dropFirst(2)))
+                } else if a.hasPrefix("-") && a != "-" {
+                    throw ParseError(message: "unknown flag '\(a)': see storefs --help")
+                } else {
+                    positionals.append(a)
+                }
+            }
+            i += 1
+        }
+        guard positionals.count == 2 else {
+            throw ParseError(message: positionals.count < 2
+                ? "missing \(positionals.isEmpty ? "SOURCE and MOUNTPOINT" : "MOUNTPOINT"): usage: storefs [-f] [-o OPT,...] SOURCE MOUNTPOINT"
+                : "too many arguments (\(positionals.joined(separator: " "))): usage: storefs [-f] [-o OPT,...] SOURCE MOUNTPOINT")
+        }
+        let source: StorageReference
+        do {
+            source = try StorageReference.parse(positionals[0])
+        } catch {
+            throw ParseError(message: error.message)
+        }
+        var o = MountOptions(source: source, mountpoint: positionals[1])
+        o.foreground = foreground
+        o.debug = debug
+        if debug { o.logLevel = .debug }
+
+        var explicitEndpoint = false
+        for item in optionItems where !item.isEmpty {
+            let (key, value) = keyValue(item)
+            if value == nil && ignored.contains(key) { continue }
+            if key.hasPrefix("x-systemd.") || key.hasPrefix("x-") || key.hasPrefix("comment=") { continue }
+            switch key {
+            case "endpoint":
+                let v = try require(key, value)
+                guard v.lowercased().hasPrefix("http://") || v.lowercased().hasPrefix("https://"), v.count > 8 else {
+                    throw ParseError(message: "endpoint=\(v) is not an http(s) URL: use e.g. endpoint=https://storage.googleapis.com")
+                }
+                o.endpoint = v
+                explicitEndpoint = true
+            case "anonymous": try flag(key, value); o.anonymous = true
+            case "token_file": o.tokenFile = try require(key, value)
+            case "cache_dir": o.cacheDir = try require(key, value)
+            case "stat_ttl": o.statTTL = try seconds(key, value)
+            case "list_ttl": o.listTTL = try seconds(key, value)
+            case "negative_ttl": o.negativeTTL = try seconds(key, value)
+            case "uid": o.uid = try id(key, value)
+            case "gid": o.gid = try id(key, value)
+            case "file_mode": o.fileMode = try mode(key, value)
+            case "dir_mode": o.dirMode = try mode(key, value)
+            case "log_level":
+                let v = try require(key, value)
+                guard let level = LogLevel(name: v) else {
+                    throw ParseError(message: "log_level=\(v) is not one of error, warn, info, debug, trace")
+                }
+                o.logLevel = level
+            case _ where forwardedFlags.contains(key) && value == nil:
+                if key == "allow_other" { o.allowOther = true }
+                o.fuseOptions.append(key)
+            case _ where forwardedValues.contains(key) && value != nil:
+                o.fuseOptions.append(item)
+            default:
+                throw ParseError(message: "unknown option '\(item)': see storefs --help for the options storefs accepts")
+            }
+        }
+        if !explicitEndpoint, let emulator = environment["STORAGE_EMULATOR_HOST"], !emulator.isEmpty {
+            o.endpoint = emulator.contains("://") ? emulator : "http://" + emulator
+            o.anonymous = true
+        }
+        if o.anonymous && o.tokenFile != nil {
+            throw ParseError(message: "anonymous and token_file= exclude each other: pick one")
+        }
+        return .mount(o)
+    }
+
+    private static func split(_ list: String) -> [String] {
+        // Commas separate options; a backslash escapes a comma inside a value (fuse_opt convention).
+        var items: [String] = []
+        var current = ""
+        var escaped = false
+        for c in list {
+            if escaped { current.append(c); escaped = false; continue }
+            if c == "\\" { escaped = true; continue }
+            if c == "," { items.append(current); current = ""; continue }
+            current.append(c)
+        }
+        items.append(current)
+        return items
+    }
+
+    private static func keyValue(_ item: String) -> (String, String?) {
+        guard let eq = item.firstIndex(of: "=") else { return (item, nil) }
+        return (String(item[..<eq]), String(item[item.index(after: eq)...]))
+    }
+
+    private static func require(_ key: String, _ value: String?) throws(ParseError) -> String {
+        guard let value, !value.isEmpty else { throw ParseError(message: "option \(key)= needs a value") }
+        return value
+    }
+
+    private static func flag(_ key: String, _ value: String?) throws(ParseError) {
+        if value != nil { throw ParseError(message: "option \(key) takes no value") }
+    }
+
+    private static func seconds(_ key: String, _ value: String?) throws(ParseError) -> Double {
+        let v = try require(key, value)
+        guard let d = Double(v), d >= 0, d.isFinite, d <= 31_536_000 else {
+            throw ParseError(message: "\(key)=\(v) is not a number of seconds (0 to 31536000)")
+        }
+        return d
+    }
+
+    private static func id(_ key: String, _ value: String?) throws(ParseError) -> UInt32 {
+        let v = try require(key, value)
+        guard let n = UInt32(v), n != UInt32.max else { throw ParseError(message: "\(key)=\(v) is not a numeric id") }
+        return n
+    }
+
+    private static func mode(_ key: String, _ value: String?) throws(ParseError) -> UInt32 {
+        let v = try require(key, value)
+        guard let n = UInt32(v, radix: 8), n <= 0o7777 else {
+            throw ParseError(message: "\(key)=\(v) is not an octal mode such as 0444")
+        }
+        return n
+    }
+}

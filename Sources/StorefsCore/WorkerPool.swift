@@ -1,0 +1,61 @@
+import Foundation
+import Synchronization
+
+/// A fixed set of threads that run blocking work (HTTP transfers, disk reads) so that neither
+/// FUSE's threads nor Swift's two-thread cooperative pool ever wait on the network.
+public final class WorkerPool: Sendable {
+    private struct Queue: ~Copyable {
+        var jobs: [@Sendable () -> Void] = []
+        var head = 0
+        var stopping = false
+    }
+
+    private let queue = Mutex(Queue())
+    private let wake = DispatchSemaphore(value: 0)
+    private let threads: Int
+
+    /// Threads start at once: create pools only after daemonizing (fork keeps one thread).
+    public init(threads: Int, name: String) {
+        self.threads = threads
+        for i in 0..<threads {
+            let t = Thread { [self] in self.run() }
+            t.name = "\(name)-\(i)"
+            t.stackSize = 1 << 20
+            t.start()
+        }
+    }
+
+    public func submit(_ job: @escaping @Sendable () -> Void) {
+        queue.withLock { q in
+            q.jobs.append(job)
+        }
+        wake.signal()
+    }
+
+    /// Lets the threads finish queued work and exit.
+    public func shutdown() {
+        queue.withLock { $0.stopping = true }
+        for _ in 0..<threads { wake.signal() }
+    }
+
+    private func run() {
+        while true {
+            wake.wait()
+            let job: (@Sendable () -> Void)? = queue.withLock { q in
+                guard q.head < q.jobs.count else { return nil }
+                let j = q.jobs[q.head]
+                q.head += 1
+                if q.head > 1024 && q.head * 2 > q.jobs.count {
+                    q.jobs.removeFirst(q.head)
+                    q.head = 0
+                }
+                return j
+            }
+            if let job {
+                job()
+            } else if queue.withLock({ $0.stopping }) {
+                return
+            }
+        }
+    }
+}

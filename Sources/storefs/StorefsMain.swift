@@ -1,0 +1,101 @@
+import FuseAdapter
+import Glibc
+import StorageClient
+import StorefsCore
+
+/// The `storefs` command: parse, check the bucket, then mount. Every failure before the mount
+/// exists is one line on stderr (`storefs: …`) and a non-zero exit.
+enum StorefsMain {
+    static let version = "0.1.0"
+
+    static func run(_ argv: [String]) -> Int32 {
+        let env = ProcessInfoEnvironment.current()
+        let command: MountOptions.Command
+        do {
+            command = try MountOptions.parse(arguments: Array(argv.dropFirst()), environment: env)
+        } catch {
+            return fail(error.message, status: 2)
+        }
+        switch command {
+        case .help:
+            print(MountOptions.usage)
+            return 0
+        case .version:
+            print("storefs \(version)")
+            return 0
+        case .mount(let options):
+            return mount(options)
+        }
+    }
+
+    static func fail(_ message: String, status: Int32 = 1) -> Int32 {
+        let line = "storefs: \(message)\n"
+        _ = line.withCString { write(2, $0, strlen($0)) }
+        return status
+    }
+
+    static func mount(_ o: MountOptions) -> Int32 {
+        Log.configure(level: o.logLevel)
+        // fuse_daemonize() chdirs to "/": an absolute mountpoint is needed to unmount later.
+        guard let resolved = realpath(o.mountpoint, nil) else {
+            return fail("mountpoint \(o.mountpoint): \(String(cString: strerror(errno))) (create it with mkdir -p)")
+        }
+        let mountpoint = String(cString: resolved)
+        free(resolved)
+        var st = stat()
+        guard stat(mountpoint, &st) == 0, st.st_mode & S_IFMT == S_IFDIR else {
+            return fail("mountpoint \(mountpoint) is not a directory")
+        }
+
+        let http = HTTPClient(userAgent: "storefs/\(version)")
+        let credentials: Credentials
+        do {
+            if let file = o.tokenFile {
+                credentials = try TokenFileCredentials(path: file)
+            } else {
+                credentials = AnonymousCredentials()
+            }
+        } catch {
+            return fail(error.message)
+        }
+        if o.tokenFile == nil && !o.anonymous {
+            Log.debug("no credentials configured: sending anonymous requests (use token_file= for a private bucket)")
+        }
+
+        let store: GCSJSONStore
+        do {
+            store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.endpoint, http: http, credentials: credentials)
+            // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
+            // is reported here, at the prompt, not as EIO later.
+            try store.checkAccess(prefix: o.source.rootListingPrefix)
+        } catch {
+            return fail(error.message)
+        }
+
+        let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
+                                       uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
+                                       fileMode: o.fileMode, dirMode: o.dirMode)
+        let fs = Filesystem(store: store, reference: o.source, config: config)
+        let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.source.description,
+                                            foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,
+                                            fuseOptions: o.fuseOptions)
+        do {
+            return try FuseSession.run(fs, settings, ready: {})
+        } catch {
+            return fail(error.message)
+        }
+    }
+}
+
+enum ProcessInfoEnvironment {
+    static func current() -> [String: String] {
+        var env: [String: String] = [:]
+        var p = environ
+        while let entry = p.pointee {
+            let s = String(cString: entry)
+            if let eq = s.firstIndex(of: "=") { env[String(s[..<eq])] = String(s[s.index(after: eq)...]) }
+            p += 1
+        }
+        return env
+    }
+}
