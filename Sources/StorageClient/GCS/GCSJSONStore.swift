@@ -40,7 +40,7 @@ public final class GCSJSONStore: ObjectStore {
         } else {
             host = hostPort.split(separator: ":", maxSplits: 1).first ?? hostPort
         }
-        return host == "localhost" || host.hasPrefix("127.") || host == "::1"
+        return host == "localhost" || host == "::1" || (host.hasPrefix("127.") && host.allSatisfy { $0.isNumber || $0 == "." })
     }
 
     private var bucketPath: String { "\(endpoint)/storage/v1/b/\(ObjectName.encode(bucket))/o" }

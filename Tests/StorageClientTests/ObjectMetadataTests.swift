@@ -1,0 +1,100 @@
+import Testing
+@testable import StorageClient
+
+@Suite struct TimestampTests {
+    @Test(arguments: [
+        ("1970-01-01T00:00:00Z", Int64(0), Int32(0)),
+        ("2020-09-18T00:31:33.328Z", Int64(1_600_389_093), Int32(328_000_000)),
+        ("2026-11-29T19:15:01.123456Z", Int64(1_795_979_701), Int32(123_456_000)),
+        ("2026-11-29T19:15:01.1234567891Z", Int64(1_795_979_701), Int32(123_456_789)),
+        ("2026-11-29T21:15:01+02:00", Int64(1_795_979_701), Int32(0)),
+        ("2000-02-29T00:00:00z", Int64(951_782_400), Int32(0)),
+    ])
+    func parsesRFC3339(text: String, seconds: Int64, nanos: Int32) {
+        #expect(Timestamp.parseRFC3339(text) == Timestamp(seconds: seconds, nanoseconds: nanos))
+    }
+
+    @Test(arguments: ["", "2020-09-18", "2020-09-18T00:31:33", "2020-13-01T00:00:00Z", "2020-09-18T00:31:33.Z"])
+    func rejectsMalformed(text: String) {
+        #expect(Timestamp.parseRFC3339(text) == nil)
+    }
+}
+
+@Suite struct ObjectMetadataTests {
+    @Test func parsesGCSResourceWithStringNumbers() throws {
+        let m = try ObjectMetadata.parse(json: [
+            "name": "a/b.txt", "bucket": "bkt", "size": "42", "generation": "1795979756647549", "metageneration": "3",
+            "updated": "2026-11-29T19:15:01.5Z", "contentType": "text/plain", "contentEncoding": "gzip",
+            "md5Hash": "SsmzRVi10vozaSElbNvGRg==", "crc32c": "RsJyrg==",
+            "metadata": ["firebaseStorageDownloadTokens": "tok-1, tok-2", "color": "blue"],
+        ], defaultBucket: "x")
+        #expect(m.size == 42 && m.generation == 1_795_979_756_647_549 && m.metageneration == 3)
+        #expect(m.downloadTokens == ["tok-1", "tok-2"])
+        #expect(m.custom["color"] == "blue")
+        #expect(m.contentEncoding == "gzip")
+        #expect(m.updated == Timestamp(seconds: 1_795_979_701, nanoseconds: 500_000_000))
+    }
+
+    @Test func parsesFirebaseResourceWithNumbersAndDownloadTokens() throws {
+        let m = try ObjectMetadata.parse(json: [
+            "name": "x", "size": 7, "generation": 1_700_000_000_000, "downloadTokens": "uuid-1",
+            "updated": "2026-01-01T00:00:00.000Z", "contentEncoding": "",
+        ], defaultBucket: "b")
+        #expect(m.bucket == "b" && m.size == 7 && m.generation == 1_700_000_000_000)
+        #expect(m.downloadTokens == ["uuid-1"])
+        #expect(m.contentEncoding == nil)
+    }
+
+    @Test func customMtimeWinsOverUpdated() throws {
+        var m = try ObjectMetadata.parse(json: ["name": "x", "updated": "2026-01-01T00:00:00Z",
+                                                "metadata": ["goog-reserved-file-mtime": "1000"]], defaultBucket: "b")
+        #expect(m.modificationTime == Timestamp(seconds: 1000))
+        m.custom["mtime"] = "2001-09-09T01:46:40.5Z"
+        #expect(m.modificationTime == Timestamp(seconds: 1_000_000_000, nanoseconds: 500_000_000))
+    }
+
+    @Test func nameIsRequired() {
+        #expect(throws: StorageError.self) { try ObjectMetadata.parse(json: ["size": "1"], defaultBucket: "b") }
+    }
+}
+
+@Suite struct ContentRangeTests {
+    @Test func parsesRanges() {
+        #expect(ContentRange(header: "bytes 0-99/1000") == ContentRange(first: 0, last: 99, total: 1000))
+        #expect(ContentRange(header: "bytes 5-5/*") == ContentRange(first: 5, last: 5, total: nil))
+        #expect(ContentRange(header: "bytes */1000") == nil)
+        #expect(ContentRange(header: "bytes 9-2/10") == nil)
+        #expect(ContentRange(header: "items 0-1/2") == nil)
+    }
+}
+
+@Suite struct StatusMappingTests {
+    @Test(arguments: [
+        (404, StorageError.Code.notFound), (401, .unauthenticated), (403, .unauthorized), (402, .quotaExceeded),
+        (429, .quotaExceeded), (412, .generationChanged), (500, .retryLimitExceeded), (503, .retryLimitExceeded),
+        (408, .retryLimitExceeded), (400, .invalidResponse),
+    ])
+    func classifiesStatus(status: Int, code: StorageError.Code) {
+        #expect(StorageError.fromStatus(status, what: "x").code == code)
+    }
+
+    @Test func loopbackDetection() {
+        #expect(GCSJSONStore.isLoopback("http://127.0.0.1:4443"))
+        #expect(GCSJSONStore.isLoopback("http://localhost/x"))
+        #expect(GCSJSONStore.isLoopback("http://[::1]:80"))
+        #expect(!GCSJSONStore.isLoopback("http://10.0.0.1"))
+        #expect(!GCSJSONStore.isLoopback("http://localhost.evil.com"))
+    }
+
+    @Test func refusesSecretsOverPlainHTTPToRemoteHosts() throws {
+        struct Secret: Credentials {
+            func authorization(forceRefresh: Bool) throws(StorageError) -> String? { "Bearer x" }
+            var sendsSecrets: Bool { true }
+        }
+        let http = HTTPClient(userAgent: "test")
+        #expect(throws: StorageError.self) {
+            try GCSJSONStore(bucket: "b", endpoint: "http://example.com", http: http, credentials: Secret())
+        }
+        _ = try GCSJSONStore(bucket: "b", endpoint: "http://127.0.0.1:1", http: http, credentials: Secret())
+    }
+}

@@ -1,0 +1,126 @@
+import Glibc
+import Testing
+import StorageClient
+@testable import StorefsCore
+
+@Suite struct FilesystemTests {
+    let store = MemoryStore(pageSize: 3)
+
+    func makeFS(prefix: String = "", negativeTTL: Double = 5) -> Filesystem {
+        Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: prefix),
+                   config: .init(statTTL: 60, listTTL: 60, negativeTTL: negativeTTL, uid: 1, gid: 2))
+    }
+
+    func read(_ fs: Filesystem, _ handle: UInt64, at offset: Int64, count: Int) throws -> [UInt8] {
+        var out = [UInt8](repeating: 0, count: count)
+        let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: offset, into: $0) }
+        return Array(out.prefix(n))
+    }
+
+    @Test func lookupProbesNestedPathsAndDirectoriesWin() throws {
+        store.put("a/b/c.txt", Array("hello".utf8))
+        store.put("a", Array("shadowed".utf8))
+        let fs = makeFS()
+        let a = try fs.lookup(parent: Filesystem.rootInode, name: "a")
+        #expect(a.kind == .directory)
+        let b = try fs.lookup(parent: a.inode, name: "b")
+        let c = try fs.lookup(parent: b.inode, name: "c.txt")
+        #expect(c.kind == .file && c.size == 5 && c.uid == 1 && c.gid == 2 && c.mode == 0o444)
+    }
+
+    @Test func missingNamesAreNegativelyCached() throws {
+        let fs = makeFS()
+        for _ in 0..<3 {
+            #expect(throws: FilesystemError.self) { try fs.lookup(parent: Filesystem.rootInode, name: "nope") }
+        }
+        #expect(store.requests == .init(list: 1, metadata: 1, read: 0))
+    }
+
+    @Test func readdirListsEveryPageOnceAndLookupsThenCostNothing() throws {
+        for i in 0..<10 { store.put(String(format: "d/f%02d", i), [UInt8(i)]) }
+        store.put("d/sub/x", [1])
+        let fs = makeFS()
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
+        let before = store.requests
+        let h = try fs.openDirectory(d.inode)
+        let names = try fs.readDirectory(h, from: 0).map(\.name)
+        #expect(names == [".", ".."] + (0..<10).map { String(format: "f%02d", $0) } + ["sub"])
+        #expect(store.requests.list - before.list == 4)  // 10 items at 3 per page
+        for i in 0..<10 { _ = try fs.lookup(parent: d.inode, name: String(format: "f%02d", i)) }
+        #expect(store.requests.list - before.list == 4 && store.requests.metadata == before.metadata)
+        let tail = try fs.readDirectory(h, from: 11)
+        #expect(tail.map(\.name) == ["f09", "sub"] && tail.last?.nextOffset == 13)
+        fs.release(h)
+    }
+
+    @Test func readsClampAtEndOfFileWithoutExtraRequests() throws {
+        store.put("f", Array(0..<100))
+        store.put("empty", [])
+        let fs = makeFS()
+        let f = try fs.open(try fs.lookup(parent: Filesystem.rootInode, name: "f").inode, flags: O_RDONLY)
+        #expect(try read(fs, f.handle, at: 90, count: 50) == Array(90..<100))
+        #expect(try read(fs, f.handle, at: 100, count: 50) == [])
+        let e = try fs.open(try fs.lookup(parent: Filesystem.rootInode, name: "empty").inode, flags: O_RDONLY)
+        #expect(try read(fs, e.handle, at: 0, count: 10) == [])
+        #expect(store.requests.read == 1)
+    }
+
+    @Test func writeIntentIsReadOnly() throws {
+        store.put("f", [1])
+        let fs = makeFS()
+        let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        for flags in [O_WRONLY, O_RDWR, O_RDONLY | O_TRUNC] {
+            #expect { _ = try fs.open(f.inode, flags: flags) } throws: { ($0 as? FilesystemError)?.code == .readOnly }
+        }
+    }
+
+    @Test func storageErrorsKeepTheirCode() throws {
+        store.put("f", [1])
+        let fs = makeFS()
+        store.failAll(with: StorageError(.unauthorized, "denied", httpStatus: 403))
+        #expect { _ = try fs.lookup(parent: Filesystem.rootInode, name: "f") } throws: {
+            ($0 as? FilesystemError)?.code == .storage(.unauthorized)
+        }
+    }
+
+    @Test func newGenerationGetsANewInodeAndOpenHandlesStayPinned() throws {
+        store.put("f", Array("old".utf8), generation: 1)
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
+        let first = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        let h = try fs.open(first.inode, flags: O_RDONLY)
+        store.put("f", Array("newer".utf8), generation: 2)
+        let second = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        #expect(second.inode != first.inode && second.size == 5)
+        #expect { _ = try read(fs, h.handle, at: 0, count: 3) } throws: {
+            ($0 as? FilesystemError)?.code == .storage(.generationChanged)
+        }
+    }
+
+    @Test func mountedPrefixIsTheRoot() throws {
+        store.put("photos/2024/a.jpg", [1, 2])
+        store.put("other/x", [1])
+        let fs = makeFS(prefix: "photos")
+        let h = try fs.openDirectory(Filesystem.rootInode)
+        #expect(try fs.readDirectory(h, from: 2).map(\.name) == ["2024"])
+        let y = try fs.lookup(parent: Filesystem.rootInode, name: "2024")
+        #expect(try fs.lookup(parent: y.inode, name: "a.jpg").size == 2)
+    }
+
+    @Test func extendedAttributes() throws {
+        store.put("dir/f.txt", [1], custom: ["firebaseStorageDownloadTokens": "t1,t2", "color": "blue"])
+        let fs = makeFS()
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "dir")
+        let f = try fs.lookup(parent: d.inode, name: "f.txt")
+        let names = try fs.extendedAttributeNames(f.inode)
+        #expect(names.contains("user.storefs.download_url") && names.contains("user.storefs.meta.color"))
+        #expect(!names.contains { $0.contains("firebaseStorageDownloadTokens") })
+        #expect(String(decoding: try fs.extendedAttribute(f.inode, name: "user.storefs.download_url"), as: UTF8.self)
+            == "https://firebasestorage.googleapis.com/v0/b/b/o/dir%2Ff.txt?alt=media&token=t1")
+        #expect(String(decoding: try fs.extendedAttribute(f.inode, name: "user.storefs.gs_uri"), as: UTF8.self) == "gs://b/dir/f.txt")
+        #expect { _ = try fs.extendedAttribute(f.inode, name: "user.storefs.content_encoding") } throws: {
+            ($0 as? FilesystemError)?.code == .noAttribute
+        }
+        #expect(String(decoding: try fs.extendedAttribute(d.inode, name: "user.storefs.gs_uri"), as: UTF8.self) == "gs://b/dir/")
+    }
+}

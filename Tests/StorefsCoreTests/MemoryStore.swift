@@ -1,0 +1,73 @@
+import StorageClient
+import Synchronization
+
+/// An in-memory bucket that counts requests, for testing the core without HTTP.
+final class MemoryStore: ObjectStore {
+    struct Counts: Equatable { var list = 0; var metadata = 0; var read = 0 }
+
+    let bucket = "b"
+    let pageSize: Int
+    private let objects = Mutex<[String: (ObjectMetadata, [UInt8])]>([:])
+    private let counts = Mutex(Counts())
+    private let failure = Mutex<StorageError?>(nil)
+
+    init(pageSize: Int = 1000) { self.pageSize = pageSize }
+
+    var requests: Counts { counts.withLock { $0 } }
+
+    func put(_ name: String, _ bytes: [UInt8], generation: Int64 = 1, custom: [String: String] = [:]) {
+        var m = ObjectMetadata(name: name, bucket: bucket, size: Int64(bytes.count), generation: generation,
+                               updated: Timestamp(seconds: 1_700_000_000), contentType: "text/plain", custom: custom)
+        m.downloadTokens = custom["firebaseStorageDownloadTokens"].map { $0.split(separator: ",").map(String.init) } ?? []
+        objects.withLock { $0[name] = (m, bytes) }
+    }
+
+    func failAll(with error: StorageError?) { failure.withLock { $0 = error } }
+
+    private func check() throws(StorageError) {
+        if let e = failure.withLock({ $0 }) { throw e }
+    }
+
+    func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
+        counts.withLock { $0.list += 1 }
+        try check()
+        let names = objects.withLock { $0.keys.filter { $0.hasPrefix(prefix) }.sorted() }
+        var items: [ObjectMetadata] = []
+        var prefixes = Set<String>()
+        var started = pageToken == nil
+        var next: String? = nil
+        for n in names {
+            if !started { if n == pageToken { started = true } else { continue } }
+            let rest = n.dropFirst(prefix.count)
+            if let slash = rest.firstIndex(of: "/") {
+                prefixes.insert(prefix + rest[...slash])
+                continue
+            }
+            if items.count == pageSize { next = n; break }
+            items.append(objects.withLock { $0[n]!.0 })
+        }
+        return ListPage(items: items, prefixes: prefixes.sorted(), nextPageToken: next)
+    }
+
+    func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
+        counts.withLock { $0.metadata += 1 }
+        try check()
+        guard let m = objects.withLock({ $0[name]?.0 }) else { throw StorageError(.notFound, "no \(name)", httpStatus: 404) }
+        return m
+    }
+
+    func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+              isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+        counts.withLock { $0.read += 1 }
+        try check()
+        guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {
+            throw StorageError(.generationChanged, "gone", httpStatus: 404)
+        }
+        precondition(buffer.count > 0 && offset + Int64(buffer.count) <= m.size, "read outside the object")
+        bytes.withUnsafeBytes { src in
+            buffer.copyMemory(from: UnsafeRawBufferPointer(rebasing: src[Int(offset)..<(Int(offset) + buffer.count)]))
+        }
+    }
+
+    func checkAccess(prefix: String) throws(StorageError) { try check() }
+}

@@ -1,0 +1,76 @@
+import Testing
+import StorageClient
+@testable import StorefsCore
+
+@Suite struct MountOptionsTests {
+    func mount(_ args: [String], env: [String: String] = [:]) throws -> MountOptions {
+        guard case .mount(let o) = try MountOptions.parse(arguments: args, environment: env) else {
+            Issue.record("expected a mount command")
+            throw MountOptions.ParseError(message: "not a mount")
+        }
+        return o
+    }
+
+    @Test func parsesTheContractOptions() throws {
+        let o = try mount(["-f", "-o", "endpoint=http://127.0.0.1:1,anonymous,cache_dir=/c", "-o",
+                           "stat_ttl=1.5,list_ttl=2,negative_ttl=0,uid=7,gid=8,file_mode=0440,dir_mode=750,allow_other,log_level=debug",
+                           "gs://b/p", "/mnt"])
+        #expect(o.foreground && o.anonymous && o.allowOther)
+        #expect(o.source == StorageReference(bucket: "b", prefix: "p"))
+        #expect(o.mountpoint == "/mnt" && o.endpoint == "http://127.0.0.1:1" && o.cacheDir == "/c")
+        #expect(o.statTTL == 1.5 && o.listTTL == 2 && o.negativeTTL == 0)
+        #expect(o.uid == 7 && o.gid == 8 && o.fileMode == 0o440 && o.dirMode == 0o750)
+        #expect(o.logLevel == .debug && o.fuseOptions == ["allow_other"])
+    }
+
+    @Test func mountHelperArgumentOrderAndNoiseOptions() throws {
+        // mount.fuse3 runs: storefs SOURCE MOUNTPOINT -o opts (options after the positionals).
+        let o = try mount(["bkt", "/mnt", "-o",
+                           "rw,ro,dev,suid,nodev,nosuid,_netdev,nofail,noauto,user,defaults,x-systemd.automount,x-systemd.idle-timeout=60,anonymous"])
+        #expect(o.source.bucket == "bkt" && o.anonymous && o.fuseOptions.isEmpty)
+    }
+
+    @Test func emulatorHostSetsEndpointAndAnonymous() throws {
+        let o = try mount(["b", "/m"], env: ["STORAGE_EMULATOR_HOST": "127.0.0.1:9023"])
+        #expect(o.endpoint == "http://127.0.0.1:9023" && o.anonymous)
+        let explicit = try mount(["-o", "endpoint=https://x.example", "b", "/m"], env: ["STORAGE_EMULATOR_HOST": "http://h:1"])
+        #expect(explicit.endpoint == "https://x.example")
+    }
+
+    @Test(arguments: [
+        (["-o", "bogus=1", "b", "/m"], "unknown option 'bogus=1'"),
+        (["-o", "stat_ttl=abc", "b", "/m"], "stat_ttl=abc is not a number of seconds"),
+        (["-o", "file_mode=999", "b", "/m"], "file_mode=999 is not an octal mode"),
+        (["-o", "uid=-1", "b", "/m"], "uid=-1 is not a numeric id"),
+        (["-o", "endpoint=ftp://x", "b", "/m"], "endpoint=ftp://x is not an http(s) URL"),
+        (["-o", "log_level=loud", "b", "/m"], "log_level=loud is not one of"),
+        (["-o", "anonymous=1", "b", "/m"], "option anonymous takes no value"),
+        (["-o", "token_file=", "b", "/m"], "option token_file= needs a value"),
+        (["-o", "anonymous,token_file=/t", "b", "/m"], "exclude each other"),
+        (["b"], "missing MOUNTPOINT"),
+        ([], "missing SOURCE and MOUNTPOINT"),
+        (["a", "b", "c"], "too many arguments"),
+        (["-x", "b", "/m"], "unknown flag '-x'"),
+        (["-o"], "-o needs a value"),
+        (["gs://", "/m"], "does not name a valid bucket"),
+    ])
+    func rejectsBadInputWithAMessageThatSaysWhat(args: [String], fragment: String) {
+        do {
+            _ = try MountOptions.parse(arguments: args, environment: [:])
+            Issue.record("accepted \(args)")
+        } catch {
+            #expect(error.message.contains(fragment), "\(error.message)")
+            #expect(!error.message.contains("\n"))
+        }
+    }
+
+    @Test func helpAndVersion() throws {
+        #expect(try MountOptions.parse(arguments: ["--help"], environment: [:]) == .help)
+        #expect(try MountOptions.parse(arguments: ["-V"], environment: [:]) == .version)
+    }
+
+    @Test func escapedCommaStaysInValue() throws {
+        let o = try mount(["-o", "fsname=a\\,b,anonymous", "b", "/m"])
+        #expect(o.fuseOptions == ["fsname=a,b"])
+    }
+}
