@@ -1,0 +1,671 @@
+"""Shared pieces of the storefs integration suite: the corpus, the 403 proxy, mount handling.
+
+conftest.py turns these into fixtures; test modules import the helpers directly
+(`from storefs_testlib import ...`). Nothing here is pytest-specific except `pytest.fail`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as _dt
+import errno
+import gzip
+import hashlib
+import http.client
+import http.server
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from gcs_emulator import GCSEmulator, free_port, quote_name
+
+BUCKET = "test-bucket"
+MOUNT_TIMEOUT_S = 30.0       # from spawn to the mount showing in /proc/self/mountinfo
+EXIT_TIMEOUT_S = 10.0        # from unmount/signal to the storefs process being gone
+WATCHDOG_S = 90.0            # a test holding mounts longer than this gets its storefs killed
+DEFAULT_BIN = "/work/main/.build/debug/storefs"
+
+
+def storefs_bin() -> str:
+    """The storefs executable under test; fails the test loudly when it is missing."""
+    path = os.environ.get("STOREFS_BIN", DEFAULT_BIN)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        pytest.fail(f"storefs binary not found or not executable: {path} "
+                    "(build it, or point STOREFS_BIN at it)", pytrace=False)
+    return os.path.abspath(path)
+
+
+def require_fuse() -> None:
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as exc:
+        pytest.fail(f"/dev/fuse is not usable ({exc}); these tests need FUSE", pytrace=False)
+    os.close(fd)
+    for tool in ("fusermount3", "umount", "mount"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} not found on PATH; these tests need it", pytrace=False)
+
+
+def rfc3339_to_epoch(text: str) -> float:
+    """'2026-11-29T19:10:51.952598Z' (0-9 fraction digits) -> seconds since the epoch."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", text)
+    assert m, f"unexpected timestamp format {text!r}"
+    base = _dt.datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(3) == "Z" else m.group(3)))
+    frac = int((m.group(2) or "0").ljust(9, "0")) / 1e9
+    return base.timestamp() + frac
+
+
+# ====================================================================== corpus
+@dataclass
+class Corpus:
+    """What was uploaded to BUCKET: bytes and the server's resource for every object name."""
+
+    data: dict[str, bytes] = field(default_factory=dict)
+    resources: dict[str, dict] = field(default_factory=dict)
+
+    BIG = "big/random-24MiB.bin"
+    BIG_SIZE = 24 * 1024 * 1024
+    GZIP = "enc/compressed.txt.gz"
+    ZERO = "files/zero.bin"
+    TOKEN = "meta/with token.txt"         # firebaseStorageDownloadTokens "tok-1,tok-2", color=blue
+    PLAIN = "meta/plain file+x.txt"       # no tokens, no encoding, no cache control
+    PRIVATE = "private/secret.txt"
+    ODD = ["odd/with space.txt", "odd/100%.txt", "odd/a+b.txt", "odd/hash#tag.txt",
+           "odd/what?.txt", "odd/ünïcødé-日本.txt", "odd/new\nline.txt"]
+    LONG_OK = "long/" + "k" * 251 + ".txt"          # component of exactly 255 bytes: visible
+    LONG_BAD = "long/" + "n" * 252 + ".txt"         # 256 bytes: hidden
+    # Each hidden name's offending component is its first one past a visible directory, so
+    # a delimiter listing shows it directly (no directory that is "empty once filtered").
+    HIDDEN = ["weird//double.txt", "weird/" + "L" * 256 + ".txt",
+              "weird/" + "D" * 300 + "/inside.txt", "/leading-slash.txt", LONG_BAD,
+              "weird/nul\x00byte.txt"]   # NUL cannot be in a file name (a C string would cut it)
+    DIR1500 = [f"dir1500/f{i:04d}.txt" for i in range(1500)]
+
+    def items(self) -> list[tuple[str, bytes, dict]]:
+        """(name, bytes, upload keyword args) for every object, in upload order."""
+        rng = random.Random(20261129)
+        out: list[tuple[str, bytes, dict]] = [
+            ("files/hello.txt", b"hello, storefs\n", {"content_type": "text/plain"}),
+            ("files/lines.txt", b"".join(b"line %05d\n" % i for i in range(3000)),
+             {"content_type": "text/plain"}),
+            (self.ZERO, b"", {}),
+            (self.BIG, rng.randbytes(self.BIG_SIZE), {"content_type": "application/octet-stream"}),
+            (self.GZIP, gzip.compress(b"storefs keeps stored bytes\n" * 2000, mtime=0),
+             {"content_type": "text/plain", "content_encoding": "gzip"}),
+            (self.TOKEN, b"download me\n",
+             {"content_type": "text/plain; charset=utf-8", "cache_control": "public, max-age=60",
+              "metadata": {"firebaseStorageDownloadTokens": "tok-1,tok-2", "color": "blue"}}),
+            (self.PLAIN, b"plain\n", {}),
+            ("weird/visible.txt", b"visible\n", {}),
+            ("empty/", b"", {}),
+            ("implicit/deep/file.txt", b"deep file\n", {}),
+            ("clash", b"i am shadowed\n", {}),
+            ("clash/inner.txt", b"inner\n", {}),
+            (self.PRIVATE, b"top secret\n", {}),
+            ("private/more/hidden.txt", b"also secret\n", {}),
+            (self.LONG_OK, b"255 bytes is fine\n", {}),
+        ]
+        out += [(n, f"odd {n}\n".encode(), {"content_type": "text/plain"}) for n in self.ODD]
+        out += [(n, b"must stay hidden\n", {}) for n in self.HIDDEN]
+        out += [(n, f"{n}\n".encode(), {}) for n in self.DIR1500]
+        return out
+
+    def upload_all(self, emu: GCSEmulator, bucket: str = BUCKET, workers: int = 16) -> None:
+        items = self.items()
+
+        def one(item):
+            name, data, kwargs = item
+            return name, data, emu.upload(bucket, name, data, **kwargs)
+
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for name, data, res in pool.map(one, items):
+                assert int(res["size"]) == len(data), (name, res["size"], len(data))
+                self.data[name] = data
+                self.resources[name] = res
+
+    def sha256(self, name: str) -> str:
+        return hashlib.sha256(self.data[name]).hexdigest()
+
+
+# ====================================================================== 403 proxy
+FORBIDDEN_BODY = json.dumps({"error": {"code": 403, "message": "Forbidden", "errors": [
+    {"domain": "global", "reason": "forbidden", "message": "Forbidden"}]}}).encode()
+
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+               "trailer", "trailers", "transfer-encoding", "upgrade"}
+_OBJECT_RE = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
+_LIST_RE = re.compile(r"^/storage/v1/b/([^/]+)/o/?$")
+
+
+@dataclass
+class ProxyRequest:
+    kind: str            # list | metadata | media | other
+    method: str
+    path: str            # raw request target
+    name: str | None     # decoded object name (metadata/media)
+    prefix: str | None   # decoded prefix (list)
+    query: dict[str, list[str]]
+    status: int = 0
+
+
+def classify(method: str, target: str) -> ProxyRequest:
+    parts = urllib.parse.urlsplit(target)
+    query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+    m = _OBJECT_RE.match(parts.path)
+    if m:
+        name = urllib.parse.unquote(m.group(2))   # path: '+' stays '+'
+        media = parts.path.startswith("/download/") or query.get("alt", [""])[0] == "media"
+        return ProxyRequest("media" if media else "metadata", method, target, name, None, query)
+    if _LIST_RE.match(parts.path):
+        return ProxyRequest("list", method, target, None, query.get("prefix", [""])[0], query)
+    return ProxyRequest("other", method, target, None, None, query)
+
+
+class ForbiddingProxy:
+    """HTTP proxy in front of the emulator that answers 403 for everything under `private/`.
+
+    Denied: metadata/media requests whose decoded object name starts with `denied_prefix`,
+    and list requests whose `prefix` parameter does. Everything else is forwarded: method,
+    headers (hop-by-hop ones aside), status and body, streamed. JSON bodies get the
+    upstream origin replaced by the proxy's, so `selfLink`/`mediaLink` lead back here.
+    `media_delay` (seconds) holds media responses back, to make a read be "in flight".
+    """
+
+    def __init__(self, upstream: str, denied_prefix: str = "private/") -> None:
+        self.upstream = upstream
+        self.denied_prefix = denied_prefix
+        self.media_delay = 0.0
+        self.started: Counter[str] = Counter()   # by kind, counted on arrival
+        self.counts: Counter[str] = Counter()    # by kind (+ "denied"), counted once answered
+        self.log: list[ProxyRequest] = []
+        self._lock = threading.Lock()
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.endpoint = ""
+        up = urllib.parse.urlsplit(upstream)
+        self._up_host, self._up_port = up.hostname, up.port
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        proxy = self
+
+        class Handler(_ProxyHandler):
+            owner = proxy
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="forbidding-proxy", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # -------------------------------------------------------------- queries
+    def arrived(self, req: ProxyRequest) -> None:
+        with self._lock:
+            self.started[req.kind] += 1
+
+    def record(self, req: ProxyRequest) -> None:
+        with self._lock:
+            self.counts[req.kind] += 1
+            if req.status == 403:
+                self.counts["denied"] += 1
+            self.log.append(req)
+
+    def requests(self, kind: str | None = None) -> list[ProxyRequest]:
+        with self._lock:
+            return [r for r in self.log if kind is None or r.kind == kind]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.counts.clear()
+            self.started.clear()
+            self.log.clear()
+
+    def denies(self, req: ProxyRequest) -> bool:
+        if req.kind in ("metadata", "media"):
+            return req.name is not None and req.name.startswith(self.denied_prefix)
+        if req.kind == "list":
+            return (req.prefix or "").startswith(self.denied_prefix)
+        return False
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    owner: ForbiddingProxy
+    protocol_version = "HTTP/1.1"   # keep-alive towards storefs
+
+    def log_message(self, fmt, *args):  # quiet
+        pass
+
+    def finish(self) -> None:
+        super().finish()
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()
+
+    def _upstream(self) -> http.client.HTTPConnection:
+        conn = getattr(self, "_conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.owner._up_host, self.owner._up_port, timeout=60)
+            self._conn = conn
+        return conn
+
+    def _handle(self) -> None:
+        req = classify(self.command, self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        self.owner.arrived(req)
+        if self.owner.denies(req):
+            req.status = 403
+            self.owner.record(req)
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json; charset=UTF-8")
+            self.send_header("Content-Length", str(len(FORBIDDEN_BODY)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(FORBIDDEN_BODY)
+            return
+        if req.kind == "media" and self.owner.media_delay > 0:
+            time.sleep(self.owner.media_delay)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        for attempt in (0, 1):
+            conn = self._upstream()
+            try:
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                conn.close()
+                self._conn = None
+                if attempt:
+                    raise
+        req.status = resp.status
+        self.owner.record(req)
+        out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+        ctype = resp.getheader("Content-Type", "")
+        no_body = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
+        self.send_response_only(resp.status, resp.reason)
+        if ctype.startswith("application/json") and not no_body:
+            data = resp.read().replace(self.owner.upstream.encode(), self.owner.endpoint.encode())
+            for k, v in out_headers:
+                if k.lower() != "content-length":
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        for k, v in out_headers:
+            self.send_header(k, v)
+        chunked = resp.getheader("Content-Length") is None and not no_body
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if no_body:
+            resp.read()
+            return
+        while True:
+            chunk = resp.read1(256 * 1024)
+            if not chunk:
+                break
+            if chunked:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            else:
+                self.wfile.write(chunk)
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
+
+    def _safe_handle(self) -> None:
+        try:
+            self._handle()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True   # storefs went away mid-response (unmount, kill)
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _safe_handle
+
+
+# ====================================================================== mounts
+def _unescape_mountinfo(s: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def mount_entries() -> list[tuple[str, str, str]]:
+    """(mount point, fstype, source) for every line of /proc/self/mountinfo."""
+    out = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.rstrip("\n").partition(" - ")
+            fields, rest = left.split(" "), right.split(" ")
+            out.append((_unescape_mountinfo(fields[4]), rest[0],
+                        _unescape_mountinfo(rest[1]) if len(rest) > 1 else ""))
+    return out
+
+
+def mount_at(path: str) -> tuple[str, str, str] | None:
+    """The last (top) mount entry at `path`, or None."""
+    real = os.path.realpath(path) if not os.path.isabs(path) else os.path.normpath(path)
+    found = None
+    for entry in mount_entries():
+        if entry[0] == real:
+            found = entry
+    return found
+
+
+def is_mounted(path: str) -> bool:
+    return mount_at(path) is not None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (init may reap daemons late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_pid_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.02)
+    return not pid_alive(pid)
+
+
+def pids_with_arg(arg: str) -> list[int]:
+    """Pids (other than ours) whose argv contains `arg` as a whole argument or -o value."""
+    want = arg.encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if want in argv:
+            pids.append(int(d))
+    return pids
+
+
+def wait_unmounted(path: str, timeout: float = EXIT_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_mounted(path):
+            return True
+        time.sleep(0.02)
+    return not is_mounted(path)
+
+
+@dataclass
+class Mount:
+    """One storefs instance. `path` is the absolute mount point."""
+
+    path: str
+    cache_dir: str
+    argv: list[str]
+    proc: subprocess.Popen | None       # the spawned process (foreground: storefs itself)
+    stderr_path: str
+    pid: int | None = None              # the storefs process serving the mount
+    foreground: bool = True
+
+    def stderr(self) -> str:
+        try:
+            with open(self.stderr_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def p(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts)
+
+    def wait_exit(self, timeout: float = EXIT_TIMEOUT_S) -> int | None:
+        """Exit status of a foreground storefs, or None if it is still running."""
+        assert self.proc is not None and self.foreground
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class MountManager:
+    """The `mount` fixture: starts storefs instances and always cleans them up.
+
+    Call it: `m = mount(source="test-bucket", options=["stat_ttl=5"], endpoint=None,
+    foreground=True, mountpoint=None, cwd=None)`. Teardown unmounts every instance
+    (fusermount3 -u, wait by pid up to 10 s, SIGKILL by pid, umount -l if still listed).
+    A watchdog kills this test's storefs processes after WATCHDOG_S so a hung FUSE call
+    fails the test instead of hanging the suite.
+    """
+
+    def __init__(self, emulator_endpoint: str, bin_path: str) -> None:
+        self.default_endpoint = emulator_endpoint
+        self.bin = bin_path
+        self.mounts: list[Mount] = []
+        self.tmp = tempfile.mkdtemp(prefix="storefs-it-")
+        self.watchdog_fired = False
+        self._watchdog = threading.Timer(WATCHDOG_S, self._fire_watchdog)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def new_dir(self, name: str) -> str:
+        with self._lock:
+            self._n += 1
+            d = os.path.join(self.tmp, f"{name}{self._n}")
+        os.mkdir(d)
+        return d
+
+    def argv(self, source: str, mnt: str, *, endpoint: str | None, options=(), foreground=True,
+             cache_dir: str | None = None) -> tuple[list[str], str]:
+        cache_dir = cache_dir or self.new_dir("cache")
+        opts = [f"endpoint={endpoint or self.default_endpoint}", "anonymous",
+                f"cache_dir={cache_dir}", *options]
+        argv = [self.bin] + (["-f"] if foreground else []) + ["-o", ",".join(opts), source, mnt]
+        return argv, cache_dir
+
+    def __call__(self, source: str = BUCKET, *, options=(), endpoint: str | None = None,
+                 foreground: bool = True, mountpoint: str | None = None,
+                 cwd: str | None = None, preexec_fn=None) -> Mount:
+        mnt = mountpoint or self.new_dir("mnt")
+        abs_mnt = os.path.normpath(os.path.join(cwd or os.getcwd(), mnt))
+        argv, cache_dir = self.argv(source, mnt, endpoint=endpoint, options=options,
+                                    foreground=foreground)
+        err_path = os.path.join(self.tmp, f"stderr{len(self.mounts)}.txt")
+        with open(err_path, "wb") as err:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                    cwd=cwd, start_new_session=True, preexec_fn=preexec_fn)
+        m = Mount(abs_mnt, cache_dir, argv, proc, err_path,
+                  pid=proc.pid if foreground else None, foreground=foreground)
+        self.mounts.append(m)
+        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        if foreground:
+            while not is_mounted(abs_mnt):
+                if proc.poll() is not None:
+                    pytest.fail(f"storefs exited with {proc.returncode} before mounting "
+                                f"{abs_mnt}\nargv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{abs_mnt} not mounted after {MOUNT_TIMEOUT_S:.0f} s\n"
+                                f"argv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
+                time.sleep(0.02)
+        else:
+            try:
+                rc = proc.wait(timeout=MOUNT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"storefs (no -f) did not return within {MOUNT_TIMEOUT_S:.0f} s\n"
+                            f"argv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
+            if rc != 0:
+                pytest.fail(f"storefs (no -f) exited {rc}\nargv: {argv}\nstderr:\n{m.stderr()}",
+                            pytrace=False)
+            daemons = [p for p in pids_with_arg(abs_mnt) + pids_with_arg(mnt) if pid_alive(p)]
+            m.pid = daemons[0] if daemons else None
+        entry = mount_at(abs_mnt)
+        assert entry is not None and entry[1] == "fuse.storefs", \
+            f"{abs_mnt} mounted with fstype {entry and entry[1]!r}, expected 'fuse.storefs'"
+        return m
+
+    def adopt(self, path: str, cache_dir: str, pid: int | None = None) -> Mount:
+        """Take over cleanup of a mount made some other way (mount(8))."""
+        m = Mount(os.path.abspath(path), cache_dir, [], None, os.devnull, pid=pid,
+                  foreground=False)
+        self.mounts.append(m)
+        return m
+
+    # -------------------------------------------------------------- cleanup
+    def _fire_watchdog(self) -> None:
+        self.watchdog_fired = True
+        for m in list(self.mounts):
+            self._kill(m)
+            if is_mounted(m.path):
+                subprocess.run(["umount", "-l", m.path], capture_output=True, timeout=10)
+
+    def _kill(self, m: Mount) -> None:
+        for pid in {m.pid, *pids_with_arg(m.path)} - {None}:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if m.proc is not None and m.proc.poll() is None:
+            try:
+                m.proc.kill()
+            except ProcessLookupError:
+                pass
+
+    def unmount(self, m: Mount) -> list[str]:
+        """Guaranteed cleanup of one mount; returns complaints (empty when it went cleanly)."""
+        problems = []
+        if is_mounted(m.path):
+            r = subprocess.run(["fusermount3", "-u", m.path], capture_output=True, text=True,
+                               timeout=30)
+            if r.returncode != 0:
+                problems.append(f"fusermount3 -u {m.path}: {r.stderr.strip()}")
+        pids = {m.pid} if m.pid else set()
+        pids |= set(pids_with_arg(m.path))
+        for pid in pids:
+            if not wait_pid_gone(pid, EXIT_TIMEOUT_S):
+                problems.append(f"storefs pid {pid} still alive {EXIT_TIMEOUT_S:.0f} s after "
+                                "unmount; SIGKILL")
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                wait_pid_gone(pid, 5)
+        if m.proc is not None:
+            try:
+                m.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                m.proc.kill()
+                m.proc.wait(timeout=5)
+        if is_mounted(m.path):
+            problems.append(f"{m.path} still mounted after the process ended; umount -l")
+            subprocess.run(["umount", "-l", m.path], capture_output=True, timeout=30)
+        return problems
+
+    def close(self) -> list[str]:
+        self._watchdog.cancel()
+        problems = []
+        for m in reversed(self.mounts):
+            try:
+                problems += self.unmount(m)
+            except Exception as exc:  # keep cleaning the others
+                problems.append(f"cleanup of {m.path} failed: {exc!r}")
+        if not any(is_mounted(m.path) for m in self.mounts):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.watchdog_fired:
+            problems.insert(0, f"watchdog: the test held its mounts over {WATCHDOG_S:.0f} s; "
+                               "storefs was killed")
+        return problems
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_storefs(argv: list[str], timeout: float = 60.0, **kwargs) -> RunResult:
+    """Run storefs to completion (for commands that must fail before mounting)."""
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                           start_new_session=True, **kwargs)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"storefs did not exit within {timeout:.0f} s: {argv}\n"
+                    f"stderr so far: {exc.stderr!r}", pytrace=False)
+    return RunResult(r.returncode, r.stdout.decode("utf-8", "replace"),
+                     r.stderr.decode("utf-8", "replace"))
+
+
+def errno_of(fn, *args, **kwargs) -> int | None:
+    """Call fn; return the OSError errno it raised, or None if it succeeded."""
+    try:
+        fn(*args, **kwargs)
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+def errname(e: int | None) -> str:
+    return "no error" if e is None else errno.errorcode.get(e, str(e))
+
+
+# ====================================================================== reference namespace
+def visible_component(c: str) -> bool:
+    return c not in ("", ".", "..") and len(c.encode()) <= 255 and "\0" not in c
+
+
+def expected_tree(names, prefix: str = "") -> tuple[dict[str, set[str]], dict[str, str]]:
+    """The namespace design.md promises for `names` mounted at `prefix`.
+
+    Returns (dirs, files): dirs maps a relative directory path ("" is the root) to its entry
+    names; files maps a relative file path to its object name. Directories shadow files;
+    names with an invalid component are hidden entirely; `x/` placeholders make dirs.
+    """
+    dirs: dict[str, set[str]] = {"": set()}
+    files: dict[str, str] = {}
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        rel = name[len(prefix):]
+        is_dir = rel.endswith("/")
+        parts = (rel[:-1] if is_dir else rel).split("/")
+        if rel == "" or not all(visible_component(c) for c in parts):
+            continue
+        for i in range(len(parts) - (0 if is_dir else 1)):
+            parent, child = "/".join(parts[:i]), parts[i]
+            dirs.setdefault(parent, set()).add(child)
+            dirs.setdefault("/".join(parts[:i + 1]), set())
+        if not is_dir:
+            parent = "/".join(parts[:-1])
+            dirs.setdefault(parent, set()).add(parts[-1])
+            files["/".join(parts)] = name
+    for path in list(files):
+        if path in dirs:          # the directory wins
+            del files[path]
+    return dirs, files
+
+
+def open_close(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> None:
+    """open(2) then close: never leaves a descriptor that would keep the mount busy."""
+    os.close(os.open(path, flags, mode))
