@@ -1,0 +1,119 @@
+"""Extended attributes `user.storefs.*` (design.md §1, "Extended attributes")."""
+
+import ctypes
+import errno
+import os
+
+from gcs_emulator import quote_name
+from storefs_testlib import BUCKET, errname, errno_of
+
+P = "user.storefs."
+
+
+def _get(path, name):
+    return os.getxattr(path, name).decode()
+
+
+def test_download_url_with_firebase_token(mount, corpus):
+    m = mount()
+    name = corpus.TOKEN   # "meta/with token.txt", tokens "tok-1,tok-2"
+    assert (_get(m.p(name), P + "download_url")
+            == "https://firebasestorage.googleapis.com/v0/b/test-bucket/o/"
+               "meta%2Fwith%20token.txt?alt=media&token=tok-1")
+
+
+def test_download_url_without_token_is_public_gcs_url(mount, corpus):
+    m = mount()
+    assert (_get(m.p(corpus.PLAIN), P + "download_url")
+            == "https://storage.googleapis.com/test-bucket/meta/plain%20file%2Bx.txt")
+    for name in ["odd/ünïcødé-日本.txt", "odd/hash#tag.txt", "odd/100%.txt", "odd/what?.txt"]:
+        assert (_get(m.p(name), P + "download_url")
+                == f"https://storage.googleapis.com/{BUCKET}/{quote_name(name, keep_slash=True)}")
+    assert (_get(m.p("odd/ünïcødé-日本.txt"), P + "download_url")
+            == "https://storage.googleapis.com/test-bucket/odd/"
+               "%C3%BCn%C3%AFc%C3%B8d%C3%A9-%E6%97%A5%E6%9C%AC.txt")
+
+
+def test_object_attributes(mount, corpus):
+    m = mount()
+    name = corpus.TOKEN
+    res = corpus.resources[name]
+    path = m.p(name)
+    assert _get(path, P + "gs_uri") == f"gs://{BUCKET}/{name}"
+    assert _get(path, P + "content_type") == "text/plain; charset=utf-8"
+    assert _get(path, P + "generation") == str(int(res["generation"]))
+    assert _get(path, P + "md5") == res["md5Hash"]
+    assert _get(path, P + "crc32c") == res["crc32c"]
+    assert _get(path, P + "cache_control") == "public, max-age=60"
+    assert _get(path, P + "meta.color") == "blue"
+
+
+def test_gs_uri_keeps_raw_name(mount, corpus):
+    m = mount()
+    for name in corpus.ODD:
+        assert _get(m.p(name), P + "gs_uri") == f"gs://{BUCKET}/{name}"
+        assert _get(m.p(name), P + "generation") == corpus.resources[name]["generation"]
+
+
+def test_content_encoding_of_gzip_object(mount, corpus):
+    m = mount()
+    assert _get(m.p(corpus.GZIP), P + "content_encoding") == "gzip"
+    assert _get(m.p(corpus.GZIP), P + "content_type") == "text/plain"
+    assert _get(m.p(corpus.GZIP), P + "md5") == corpus.resources[corpus.GZIP]["md5Hash"]
+
+
+def test_missing_attributes_are_enodata(mount, corpus):
+    m = mount()
+    path = m.p(corpus.PLAIN)
+    for name in [P + "content_encoding", P + "cache_control", P + "meta.color", P + "nonsense",
+                 "user.other", P + "meta.nope"]:
+        assert errname(errno_of(os.getxattr, path, name)) == "ENODATA", name
+
+
+def test_listxattr_lists_present_attributes(mount, corpus):
+    m = mount()
+    names = set(os.listxattr(m.p(corpus.TOKEN)))
+    assert {P + "download_url", P + "gs_uri", P + "content_type", P + "generation", P + "md5",
+            P + "crc32c", P + "cache_control", P + "meta.color"} <= names
+    assert P + "content_encoding" not in names
+    for n in names:
+        assert n.startswith(P), n
+        os.getxattr(m.p(corpus.TOKEN), n)   # each listed name can be read
+    gz = set(os.listxattr(m.p(corpus.GZIP)))
+    assert P + "content_encoding" in gz and P + "cache_control" not in gz
+    plain = set(os.listxattr(m.p(corpus.PLAIN)))
+    assert not any(n.startswith(P + "meta.") for n in plain)
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    libc.getxattr.restype = ctypes.c_ssize_t
+    libc.listxattr.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    libc.listxattr.restype = ctypes.c_ssize_t
+    return libc
+
+
+def test_size_query_and_erange(mount, corpus):
+    m = mount()
+    libc = _libc()
+    path = m.p(corpus.TOKEN).encode()
+    name = (P + "download_url").encode()
+    want = os.getxattr(m.p(corpus.TOKEN), P + "download_url")
+    n = libc.getxattr(path, name, None, 0)
+    assert n == len(want)
+    small = ctypes.create_string_buffer(n - 1)
+    ctypes.set_errno(0)
+    assert libc.getxattr(path, name, small, n - 1) == -1
+    assert ctypes.get_errno() == errno.ERANGE
+    full = ctypes.create_string_buffer(n)
+    assert libc.getxattr(path, name, full, n) == n
+    assert full.raw == want
+
+    total = libc.listxattr(path, None, 0)
+    listed = os.listxattr(m.p(corpus.TOKEN))
+    assert total == sum(len(x.encode()) + 1 for x in listed)
+    small = ctypes.create_string_buffer(total - 1)
+    ctypes.set_errno(0)
+    assert libc.listxattr(path, small, total - 1) == -1
+    assert ctypes.get_errno() == errno.ERANGE
