@@ -76,6 +76,10 @@ def test_listxattr_lists_present_attributes(mount, corpus):
     assert {P + "download_url", P + "gs_uri", P + "content_type", P + "generation", P + "md5",
             P + "crc32c", P + "cache_control", P + "meta.color"} <= names
     assert P + "content_encoding" not in names
+    # documented (README, storefs.8): the tokens are a capability, shown only in download_url
+    assert P + "meta.firebaseStorageDownloadTokens" not in names
+    assert (errname(errno_of(os.getxattr, m.p(corpus.TOKEN), P + "meta.firebaseStorageDownloadTokens"))
+            == "ENODATA")
     for n in names:
         assert n.startswith(P), n
         os.getxattr(m.p(corpus.TOKEN), n)   # each listed name can be read
