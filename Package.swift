@@ -14,8 +14,9 @@ let package = Package(
     targets: [
         .systemLibrary(name: "CFuse3", pkgConfig: "fuse3", providers: [.apt(["libfuse3-dev"])]),
         .target(name: "CCurl", linkerSettings: [.linkedLibrary("curl")]),
+        .target(name: "CBlockCache", linkerSettings: [.linkedLibrary("crypto")]),
         .target(name: "StorageClient", dependencies: ["CCurl"], swiftSettings: strict),
-        .target(name: "StorefsCore", dependencies: ["StorageClient"], swiftSettings: strict),
+        .target(name: "StorefsCore", dependencies: ["StorageClient", "CBlockCache"], swiftSettings: strict),
         .target(name: "FuseAdapter", dependencies: ["StorefsCore", "CFuse3"], swiftSettings: strict),
         .executableTarget(name: "storefs", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"],
                           swiftSettings: strict),

@@ -68,3 +68,9 @@ final class BufferPool: Sendable {
         if !kept { box.pointer.deallocate() }
     }
 }
+
+/// A pooled buffer handed from the FUSE thread to the worker that finishes the read.
+struct BufferLease: @unchecked Sendable {
+    let buffer: UnsafeMutableRawBufferPointer
+    init(_ buffer: UnsafeMutableRawBufferPointer) { self.buffer = buffer }
+}

@@ -172,17 +172,36 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.read = { req, _, size, off, fi in
         let ctx = context(req)
-        let r = Request(raw: req!)
         let handle = fi!.pointee.fh
         let count = min(size, ctx.buffers.bufferSize)
+        // Cache hits are answered here: a hop to another thread costs 12–20 µs.
+        let buffer = ctx.buffers.take()
+        do {
+            if let n = try ctx.fs.readCached(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])) {
+                _ = fuse_reply_buf(req, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                ctx.buffers.give(buffer)
+                return
+            }
+        } catch let e as FilesystemError {
+            reply(req, e)
+            ctx.buffers.give(buffer)
+            return
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+            ctx.buffers.give(buffer)
+            return
+        }
+        // A miss waits on the network: a worker replies later.
+        let r = Request(raw: req!)
+        let lease = BufferLease(buffer)
         ctx.inFlight.add(1, ordering: .acquiring)
         ctx.workers.submit {
             defer { ctx.inFlight.subtract(1, ordering: .releasing) }
-            let buffer = ctx.buffers.take()
+            let buffer = lease.buffer
             defer { ctx.buffers.give(buffer) }
             do {
                 let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
-                                        isCancelled: { fuse_req_interrupted(r.raw) != 0 })
+                                        alreadyNoted: true, isCancelled: { fuse_req_interrupted(r.raw) != 0 })
                 _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
             } catch let e as FilesystemError {
                 reply(r.raw, e)

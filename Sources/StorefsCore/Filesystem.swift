@@ -42,7 +42,7 @@ public final class Filesystem: Sendable {
     public let config: Config
     public let reference: StorageReference
     let store: ObjectStore
-    let reader: RangeReader
+    let reader: BlockReader
     private let mountTime: Timestamp
 
     private let table = Mutex(InodeTable())
@@ -51,11 +51,12 @@ public final class Filesystem: Sendable {
     private let handles = Mutex(Handles())
     private let shadowLogged = Mutex(Set<String>())
 
-    public init(store: ObjectStore, reference: StorageReference, config: Config, reader: RangeReader? = nil) {
+    /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
+    public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil) {
         self.store = store
         self.reference = reference
         self.config = config
-        self.reader = reader ?? DirectRangeReader(store: store)
+        self.reader = reader ?? BlockReader(store: store, cache: nil, endpoint: "", config: .init())
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))
@@ -197,7 +198,8 @@ public final class Filesystem: Sendable {
     }
 
     public func release(_ handle: UInt64) {
-        _ = handles.withLock { $0.open.removeValue(forKey: handle) }
+        let closed = handles.withLock { $0.open.removeValue(forKey: handle) }
+        if case .file(let file)? = closed { reader.closeStream(file.stream) }
     }
 
     /// readdir reports inodes of names that were never looked up; these stay clear of real ones.
@@ -274,29 +276,52 @@ public final class Filesystem: Sendable {
             t.lastOpenedGeneration[inode] = meta.generation
             return previous == meta.generation
         }
-        let handle = handles.withLock { $0.add(.file(OpenFile(meta: meta))) }
+        let stream = reader.openStream(meta)
+        let handle = handles.withLock { $0.add(.file(OpenFile(meta: meta, stream: stream))) }
         return OpenResult(handle: handle, keepCache: keep)
+    }
+
+    /// Serves a read only if every byte is in the block cache (no network): for the FUSE thread.
+    /// nil means "call `read` from a worker"; `read` then knows the read was already noted.
+    public func readCached(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer) throws(FilesystemError) -> Int? {
+        let file = try openFile(handle)
+        guard let window = try clamp(file.meta, offset, buffer) else { return 0 }
+        return reader.readCached(file.stream, at: offset, into: window) ? window.count : nil
+    }
+
+    private func openFile(_ handle: UInt64) throws(FilesystemError) -> OpenFile {
+        guard case .file(let file)? = handles.withLock({ $0.open[handle] }) else {
+            throw FilesystemError(.staleHandle, "unknown file handle \(handle)")
+        }
+        return file
+    }
+
+    /// The part of `buffer` that the object has bytes for at `offset`; nil at or past the end.
+    private func clamp(_ meta: ObjectMetadata, _ offset: Int64, _ buffer: UnsafeMutableRawBufferPointer) throws(FilesystemError) -> UnsafeMutableRawBufferPointer? {
+        guard offset >= 0 else { throw FilesystemError(.invalidArgument, "negative offset") }
+        guard offset < meta.size, buffer.count > 0 else { return nil }
+        let count = Int(min(Int64(buffer.count), meta.size - offset))
+        return UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])
     }
 
     /// Reads up to `buffer.count` bytes at `offset` of an open file into `buffer`; returns the
     /// count (0 at or past the end). Blocks on the network on a miss: call from a worker.
     public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                     isCancelled: (@Sendable () -> Bool)? = nil) throws(FilesystemError) -> Int {
-        guard case .file(let file)? = handles.withLock({ $0.open[handle] }) else {
-            throw FilesystemError(.staleHandle, "unknown file handle \(handle)")
-        }
+                     alreadyNoted: Bool = false, isCancelled: (@Sendable () -> Bool)? = nil) throws(FilesystemError) -> Int {
+        let file = try openFile(handle)
         let meta = file.meta
-        guard offset >= 0 else { throw FilesystemError(.invalidArgument, "negative offset") }
-        guard offset < meta.size, buffer.count > 0 else { return 0 }
-        let count = Int(min(Int64(buffer.count), meta.size - offset))
-        let window = UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])
+        guard let window = try clamp(meta, offset, buffer) else { return 0 }
         do throws(StorageError) {
-            try reader.read(meta, at: offset, into: window, isCancelled: isCancelled)
+            try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled)
         } catch {
-            Log.warn("op=read object=\(meta.name) gen=\(meta.generation) offset=\(offset) error=\(error.message)")
+            if error.code == .cancelled {
+                Log.debug("op=read object=\(meta.name) offset=\(offset) interrupted")
+            } else {
+                Log.warn("op=read object=\(meta.name) gen=\(meta.generation) offset=\(offset) error=\(error.message)")
+            }
             throw FilesystemError(error)
         }
-        return count
+        return window.count
     }
 
     // MARK: Extended attributes
@@ -355,6 +380,7 @@ struct CachedListing {
 
 struct OpenFile {
     var meta: ObjectMetadata
+    var stream: BlockReader.Stream
 }
 
 struct Handles {

@@ -1,3 +1,4 @@
+import Foundation
 import Glibc
 import StorageClient
 
@@ -15,6 +16,12 @@ public struct MountOptions: Sendable, Equatable {
     public var anonymous = false
     public var tokenFile: String?
     public var cacheDir: String?
+    /// nil: the default, decided at mount from the free space (see `defaultCacheSize`).
+    public var cacheSize: Int64?
+    public var blockSize = 256 << 10
+    public var readAhead: Int64 = 64 << 20
+    public var parallel = 4
+    public var memoryLimit: Int64 = 256 << 20
     public var statTTL: Double = 60
     public var listTTL: Double = 60
     public var negativeTTL: Double = 5
@@ -59,7 +66,12 @@ public struct MountOptions: Sendable, Equatable {
           -o endpoint=URL    API origin (default https://storage.googleapis.com; STORAGE_EMULATOR_HOST sets it)
           -o anonymous       send no credentials
           -o token_file=FILE OAuth2 access token, re-read when the file changes
-          -o cache_dir=DIR   block cache directory
+          -o cache_dir=DIR   block cache directory (default $XDG_CACHE_HOME/storefs, /var/cache/storefs for root)
+          -o cache_size=SIZE hard cap of the block cache, e.g. 10G (default: 10G or half the free space, if less)
+          -o block_size=SIZE cache block size, a power of two from 4K to 16M (default 256K)
+          -o read_ahead=SIZE largest read-ahead window of a sequential reader (default 64M; 0 = off)
+          -o parallel=N      read-ahead downloads in flight at once (default 4)
+          -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
           -o stat_ttl=S      seconds object attributes are trusted (default 60)
           -o list_ttl=S      seconds directory listings are trusted (default 60)
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
@@ -132,6 +144,19 @@ public struct MountOptions: Sendable, Equatable {
             case "anonymous": try flag(key, value); o.anonymous = true
             case "token_file": o.tokenFile = try require(key, value)
             case "cache_dir": o.cacheDir = try require(key, value)
+            case "cache_size": o.cacheSize = try size(key, value, min: 1 << 20)
+            case "block_size":
+                let b = try size(key, value, min: 4096)
+                guard b <= 16 << 20, b & (b - 1) == 0 else {
+                    throw ParseError(message: "block_size=\(value!) must be a power of two from 4K to 16M")
+                }
+                o.blockSize = Int(b)
+            case "read_ahead": o.readAhead = try size(key, value, min: 0)
+            case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
+            case "parallel":
+                let v = try require(key, value)
+                guard let n = Int(v), (1...64).contains(n) else { throw ParseError(message: "parallel=\(v) must be a whole number from 1 to 64") }
+                o.parallel = n
             case "stat_ttl": o.statTTL = try seconds(key, value)
             case "list_ttl": o.listTTL = try seconds(key, value)
             case "negative_ttl": o.negativeTTL = try seconds(key, value)
@@ -199,6 +224,31 @@ public struct MountOptions: Sendable, Equatable {
             throw ParseError(message: "\(key)=\(v) is not a number of seconds (0 to 31536000)")
         }
         return d
+    }
+
+    /// Sizes: a number of bytes with an optional K, M, G or T suffix (powers of 1024; `KiB`,
+    /// `KB` and `k` are the same thing).
+    public static func parseSize(_ text: String) -> Int64? {
+        var digits = text.trimmingCharacters(in: .whitespaces)
+        var unit: Int64 = 1
+        let lower = digits.lowercased()
+        for (suffixes, factor) in [(["tib", "tb", "t"], Int64(1) << 40), (["gib", "gb", "g"], 1 << 30),
+                                   (["mib", "mb", "m"], 1 << 20), (["kib", "kb", "k"], 1 << 10), (["b"], 1)] {
+            if let s = suffixes.first(where: { lower.hasSuffix($0) }) {
+                digits = String(digits.dropLast(s.count))
+                unit = factor
+                break
+            }
+        }
+        guard let n = Double(digits), n >= 0, n.isFinite, n * Double(unit) < 9.0e18 else { return nil }
+        return Int64(n * Double(unit))
+    }
+
+    private static func size(_ key: String, _ value: String?, min: Int64) throws(ParseError) -> Int64 {
+        let v = try require(key, value)
+        guard let n = parseSize(v) else { throw ParseError(message: "\(key)=\(v) is not a size such as 512M or 10G") }
+        guard n >= min else { throw ParseError(message: "\(key)=\(v) is too small (at least \(min) bytes)") }
+        return n
     }
 
     private static func id(_ key: String, _ value: String?) throws(ParseError) -> UInt32 {

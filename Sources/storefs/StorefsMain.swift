@@ -75,7 +75,18 @@ enum StorefsMain {
         let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
                                        fileMode: o.fileMode, dirMode: o.dirMode)
-        let fs = Filesystem(store: store, reference: o.source, config: config)
+        let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: ProcessInfoEnvironment.current())
+        let cache: BlockCache
+        do {
+            cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
+                                   blockSize: o.blockSize)
+        } catch {
+            return fail(error.message)
+        }
+        let reader = BlockReader(store: store, cache: cache, endpoint: o.endpoint,
+                                 config: .init(blockSize: o.blockSize, readAhead: o.readAhead, parallel: o.parallel,
+                                               memoryLimit: o.memoryLimit))
+        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader)
         let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.source.description,
                                             foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,
                                             fuseOptions: o.fuseOptions)

@@ -1,0 +1,16 @@
+#ifndef STOREFS_CBLOCKCACHE_H
+#define STOREFS_CBLOCKCACHE_H
+/* The block cache's C needs, each something Swift cannot reach directly: CRC32C with the SSE4.2
+ * crc32 instruction, SHA-256 from OpenSSL's libcrypto, and fallocate (a _GNU_SOURCE declaration
+ * Glibc's Swift module does not export). */
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* CRC32C (Castagnoli) of buf, continuing from crc (pass 0 to start). */
+uint32_t cchecksum_crc32c(uint32_t crc, const void *buf, size_t len);
+/* SHA-256 of buf into out[32]. */
+void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]);
+/* Frees the disk space of [offset, offset+len) keeping the file size (FALLOC_FL_PUNCH_HOLE). 0 or -1/errno. */
+int cblockcache_punch_hole(int fd, off_t offset, off_t len);
+#endif

@@ -1,0 +1,396 @@
+import Foundation
+import Glibc
+import StorageClient
+import Synchronization
+
+/// The on-disk block cache: fixed-size blocks of object generations under `cache_dir`.
+///
+/// - Keyed by (endpoint, bucket, object name, generation): a new generation never sees old bytes.
+/// - Every block is checked against its CRC32C before it is served (`CachedObject.read`).
+/// - `capacity` is a hard cap on the bytes the cache holds on disk (blocks rounded to 4 KiB plus
+///   each file's header page): before a block is written, the least recently used blocks are
+///   evicted (hole-punched; whole files removed once empty and unused) down to a low-water mark.
+/// - A write that fails (a full disk) switches caching off for a while: reads keep working,
+///   streamed straight from the network.
+/// - It survives unmounts: at start-up the directory is scanned and every valid file is reused,
+///   most recently used last in the eviction order.
+public final class BlockCache: Sendable {
+    public let directory: String
+    public let capacity: Int64
+    public let blockSize: Int
+    let root: String
+
+    private struct State: ~Copyable {
+        var objects: [String: CachedObject] = [:]
+        var usedBytes: Int64 = 0
+        var degradedUntil: Double = 0
+    }
+
+    private let state = Mutex(State())
+    private let clock = Atomic<UInt64>(1)
+    static let degradedSeconds = 30.0
+
+    /// Opens (creating with mode 0700) the cache directory and loads what earlier mounts left.
+    public init(directory: String, capacity: Int64, blockSize: Int) throws(FilesystemError) {
+        self.directory = directory
+        self.capacity = capacity
+        self.blockSize = blockSize
+        root = directory + "/v\(CacheFileFormat.version)"
+        for dir in [directory, root] {
+            if dir == directory, let slash = directory.lastIndex(of: "/"), slash > directory.startIndex {
+                // Parents (e.g. ~/.cache) may be missing on a fresh account.
+                try? FileManager.default.createDirectory(atPath: String(directory[..<slash]), withIntermediateDirectories: true)
+            }
+            if mkdir(dir, 0o700) != 0 && errno != EEXIST {
+                throw FilesystemError(.invalidArgument,
+                                      "cache_dir \(directory): cannot create \(dir): \(String(cString: strerror(errno))) (choose another with -o cache_dir=DIR)")
+            }
+        }
+        var st = stat()
+        guard stat(root, &st) == 0, st.st_mode & S_IFMT == S_IFDIR, access(root, W_OK | X_OK) == 0 else {
+            throw FilesystemError(.invalidArgument, "cache_dir \(directory) is not a writable directory (choose another with -o cache_dir=DIR)")
+        }
+        if st.st_uid == geteuid() { chmod(root, 0o700) }
+        if stat(directory, &st) == 0, st.st_uid == geteuid() { chmod(directory, 0o700) }
+        loadExisting()
+    }
+
+    func tick() -> UInt64 { clock.add(1, ordering: .relaxed).newValue }
+
+    /// Bytes the cache holds now (for tests and logs).
+    public var usedBytes: Int64 { state.withLock { $0.usedBytes } }
+
+    /// The key hash of an object generation.
+    static func keyHash(endpoint: String, bucket: String, name: String, generation: Int64) -> [UInt8] {
+        var key = Array("storefs-cache-key-v1".utf8)
+        for part in [endpoint, bucket, name, String(generation)] { key.append(0); key += Array(part.utf8) }
+        return Checksum.sha256(key)
+    }
+
+    static func hex(_ bytes: [UInt8]) -> String {
+        let digits = Array("0123456789abcdef".utf8)
+        var out: [UInt8] = []
+        for b in bytes { out.append(digits[Int(b >> 4)]); out.append(digits[Int(b & 15)]) }
+        return String(decoding: out, as: UTF8.self)
+    }
+
+    private func path(forHex hex: String) -> String { "\(root)/\(hex.prefix(2))/\(hex).blk" }
+
+    /// The cache entry of an object generation, created if needed and marked in use; nil when
+    /// caching is off (degraded) and nothing is cached for it.
+    func acquire(endpoint: String, meta: ObjectMetadata) -> CachedObject? {
+        let hash = Self.keyHash(endpoint: endpoint, bucket: meta.bucket, name: meta.name, generation: meta.generation)
+        let hex = Self.hex(hash)
+        let existing: CachedObject? = state.withLock { $0.objects[hex] }
+        if let existing, existing.format.objectSize == meta.size, existing.format.blockSize == blockSize {
+            existing.open()
+            return existing
+        }
+        if isDegraded { return nil }
+        let format = CacheFileFormat(blockSize: blockSize, objectSize: meta.size, generation: meta.generation, keyHash: hash)
+        guard let created = create(format: format, hex: hex) else { return nil }
+        let chosen: CachedObject = state.withLock { s in
+            if let racing = s.objects[hex] { return racing }
+            s.objects[hex] = created
+            s.usedBytes += created.overheadBytes
+            return created
+        }
+        if chosen !== created { unlink(created.path) }
+        chosen.open()
+        return chosen
+    }
+
+    func release(_ object: CachedObject) {
+        object.close()
+    }
+
+    var isDegraded: Bool { state.withLock { $0.degradedUntil > now() } }
+
+    func degrade(_ why: String) {
+        let first = state.withLock { s -> Bool in
+            let was = s.degradedUntil > now()
+            s.degradedUntil = now() + Self.degradedSeconds
+            return !was
+        }
+        if first { Log.warn("block cache paused for \(Int(Self.degradedSeconds))s, reads stream uncached: \(why)") }
+    }
+
+    /// Makes room for `bytes` more (evicting least recently used blocks); false if it cannot.
+    func reserve(_ bytes: Int64) -> Bool {
+        if bytes > capacity { return false }
+        let needsEviction = state.withLock { $0.usedBytes + bytes > capacity }
+        if needsEviction { evict(toMakeRoomFor: bytes) }
+        return state.withLock { s in
+            guard s.usedBytes + bytes <= capacity else { return false }
+            s.usedBytes += bytes
+            return true
+        }
+    }
+
+    /// Returns reserved bytes that were not used (a failed write, a block already present).
+    func unreserve(_ bytes: Int64) {
+        state.withLock { $0.usedBytes -= bytes }
+    }
+
+    private func evict(toMakeRoomFor bytes: Int64) {
+        let lowWater = capacity - capacity / 10 - bytes
+        let objects = state.withLock { Array($0.objects.values) }
+        var candidates: [(tick: UInt64, object: CachedObject, block: Int)] = []
+        for o in objects { o.collectBlocks(into: &candidates) }
+        candidates.sort { $0.tick < $1.tick }
+        var freed: Int64 = 0
+        let over = state.withLock { $0.usedBytes } - max(0, lowWater)
+        for c in candidates where freed < over {
+            freed += c.object.evict(block: c.block)
+        }
+        // Files with nothing left and nobody reading them go entirely.
+        var removed: Int64 = 0
+        state.withLock { s in
+            for o in objects where o.isEmptyAndUnused {
+                if s.objects[o.hex] === o {
+                    s.objects.removeValue(forKey: o.hex)
+                    unlink(o.path)
+                    removed += o.overheadBytes
+                }
+            }
+            s.usedBytes -= freed + removed
+        }
+        Log.debug("cache eviction freed=\(freed + removed) used=\(usedBytes) cap=\(capacity)")
+    }
+
+    private func create(format: CacheFileFormat, hex: String) -> CachedObject? {
+        let dir = "\(root)/\(hex.prefix(2))"
+        if mkdir(dir, 0o700) != 0 && errno != EEXIST {
+            degrade("cannot create \(dir): \(String(cString: strerror(errno)))")
+            return nil
+        }
+        let final = path(forHex: hex)
+        let temp = "\(final).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        let fd = Glibc.open(temp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
+        guard fd >= 0 else {
+            degrade("cannot create a cache file: \(String(cString: strerror(errno)))")
+            return nil
+        }
+        defer { Glibc.close(fd) }
+        let header = format.encodeHeader()
+        let ok = header.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } == header.count
+            && ftruncate(fd, off_t(format.dataOffset + format.objectSize)) == 0
+        guard ok, rename(temp, final) == 0 else {
+            let why = String(cString: strerror(errno))
+            unlink(temp)
+            degrade("cannot write a cache file: \(why)")
+            return nil
+        }
+        return CachedObject(cache: self, format: format, hex: hex, path: final,
+                            entries: Array(repeating: .absent, count: format.blockCount), tick: tick())
+    }
+
+    /// Start-up scan: reuse valid files (oldest first in LRU order), delete anything else.
+    private func loadExisting() {
+        var found: [(mtime: Int, object: CachedObject)] = []
+        guard let shards = try? FileManager.default.contentsOfDirectory(atPath: root) else { return }
+        for shard in shards {
+            let dir = "\(root)/\(shard)"
+            guard let files = try? FileManager.default.contentsOfDirectory(atPath: dir) else { continue }
+            for file in files {
+                let path = "\(dir)/\(file)"
+                guard file.hasSuffix(".blk"), file.count == 68, let loaded = load(path: path, hex: String(file.prefix(64))) else {
+                    unlink(path)  // temp files of a crashed write, other versions, garbage
+                    continue
+                }
+                found.append(loaded)
+            }
+        }
+        found.sort { $0.mtime < $1.mtime }
+        var used: Int64 = 0
+        state.withLock { s in
+            for (_, o) in found {
+                o.setTicks(tick())
+                s.objects[o.hex] = o
+                used += o.overheadBytes + o.storedBytes
+            }
+            s.usedBytes = used
+        }
+        if used > capacity { evict(toMakeRoomFor: 0) }
+        Log.debug("cache loaded objects=\(found.count) bytes=\(used) dir=\(directory)")
+    }
+
+    private func load(path: String, hex: String) -> (Int, CachedObject)? {
+        let fd = Glibc.open(path, O_RDONLY | O_CLOEXEC)
+        guard fd >= 0 else { return nil }
+        defer { Glibc.close(fd) }
+        var st = stat()
+        guard fstat(fd, &st) == 0 else { return nil }
+        var header = [UInt8](repeating: 0, count: CacheFileFormat.headerSize)
+        guard header.withUnsafeMutableBytes({ pread(fd, $0.baseAddress, $0.count, 0) }) == header.count,
+              let format = CacheFileFormat.decodeHeader(header), format.blockSize == blockSize,
+              BlockCache.hex(format.keyHash) == hex,
+              Int64(st.st_size) == format.dataOffset + format.objectSize else { return nil }
+        var raw = [UInt8](repeating: 0, count: format.blockCount * CacheFileFormat.entrySize)
+        if !raw.isEmpty {
+            guard raw.withUnsafeMutableBytes({ pread(fd, $0.baseAddress, $0.count, off_t(CacheFileFormat.headerSize)) }) == raw.count else {
+                return nil
+            }
+        }
+        var entries = CacheFileFormat.decodeEntries(raw, count: format.blockCount)
+        for i in entries.indices where entries[i].length != 0 && Int(entries[i].length) != format.blockLength(i) {
+            entries[i] = .absent
+        }
+        let o = CachedObject(cache: self, format: format, hex: hex, path: path, entries: entries, tick: 0)
+        return (st.st_mtim.tv_sec, o)
+    }
+}
+
+/// The cached blocks of one object generation: its file, its index in memory, and LRU ticks.
+final class CachedObject: Sendable {
+    let format: CacheFileFormat
+    let hex: String
+    let path: String
+    private unowned let cache: BlockCache
+
+    private struct State: ~Copyable {
+        var entries: [CacheFileFormat.Entry]
+        var ticks: [UInt64]
+        var fd: Int32 = -1
+        var users = 0
+    }
+
+    private let state: Mutex<State>
+
+    init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, entries: [CacheFileFormat.Entry], tick: UInt64) {
+        self.cache = cache
+        self.format = format
+        self.hex = hex
+        self.path = path
+        state = Mutex(State(entries: entries, ticks: Array(repeating: tick, count: entries.count)))
+    }
+
+    /// The header page: every file costs at least this much disk.
+    var overheadBytes: Int64 { format.dataOffset }
+
+    static func diskBytes(_ length: Int) -> Int64 { Int64((length + 4095) / 4096 * 4096) }
+
+    var storedBytes: Int64 {
+        state.withLock { s in s.entries.reduce(0) { $0 + ($1.length == 0 ? 0 : Self.diskBytes(Int($1.length))) } }
+    }
+
+    var isEmptyAndUnused: Bool { state.withLock { s in s.users == 0 && !s.entries.contains { $0.length != 0 } } }
+
+    func setTicks(_ t: UInt64) { state.withLock { s in for i in s.ticks.indices { s.ticks[i] = t } } }
+
+    func open() {
+        state.withLock { s in
+            s.users += 1
+            if s.fd < 0 { s.fd = Glibc.open(path, O_RDWR | O_CLOEXEC) }
+        }
+    }
+
+    func close() {
+        state.withLock { s in
+            s.users -= 1
+            if s.users == 0 && s.fd >= 0 {
+                futimens(s.fd, nil)  // the file's mtime is its recency for the next mount's LRU
+                Glibc.close(s.fd)
+                s.fd = -1
+            }
+        }
+    }
+
+    func isCached(_ block: Int) -> Bool { state.withLock { $0.entries[block].length != 0 } }
+
+    /// Copies bytes `[inBlock, inBlock + dst.count)` of block `block` into `dst` after checking
+    /// the whole block's CRC32C. False (and the block dropped) when it is absent or damaged.
+    func read(block: Int, from inBlock: Int, into dst: UnsafeMutableRawBufferPointer) -> Bool {
+        let t = cache.tick()
+        let (entry, fd) = state.withLock { s -> (CacheFileFormat.Entry, Int32) in
+            s.ticks[block] = t
+            return (s.entries[block], s.fd)
+        }
+        guard entry.length != 0, fd >= 0 else { return false }
+        let length = Int(entry.length)
+        let whole = inBlock == 0 && dst.count == length
+        let scratch = whole ? dst : UnsafeMutableRawBufferPointer.allocate(byteCount: length, alignment: 16)
+        defer { if !whole { scratch.deallocate() } }
+        let n = pread(fd, scratch.baseAddress, length, off_t(format.blockOffset(block)))
+        guard n == length, Checksum.crc32c(UnsafeRawBufferPointer(scratch)) == entry.crc else {
+            Log.debug("cache block failed verification object=\(hex.prefix(12)) block=\(block): refetching")
+            _ = dropIfUnchanged(block: block, entry: entry)
+            return false
+        }
+        if !whole {
+            dst.copyMemory(from: UnsafeRawBufferPointer(rebasing: scratch[inBlock..<(inBlock + dst.count)]))
+        }
+        return true
+    }
+
+    /// Stores whole blocks starting at `first` from `bytes` (which hold exactly those blocks).
+    func store(first: Int, _ bytes: UnsafeRawBufferPointer) {
+        var offset = 0
+        var block = first
+        while offset < bytes.count {
+            let length = format.blockLength(block)
+            if cache.isDegraded { return }
+            let slice = UnsafeRawBufferPointer(rebasing: bytes[offset..<(offset + length)])
+            defer { offset += length; block += 1 }
+            if isCached(block) { continue }
+            let cost = Self.diskBytes(length)
+            guard cache.reserve(cost) else { return }
+            let crc = Checksum.crc32c(slice)
+            let fd = state.withLock { $0.fd }
+            guard fd >= 0, pwrite(fd, slice.baseAddress, length, off_t(format.blockOffset(block))) == length else {
+                cache.unreserve(cost)
+                cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
+                return
+            }
+            let entry = CacheFileFormat.Entry(crc: crc, length: UInt32(length))
+            let encoded = CacheFileFormat.encode(entry)
+            let written = encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(block))) }
+            guard written == encoded.count else {
+                cache.unreserve(cost)
+                cache.degrade("cannot write a cache index entry: \(String(cString: strerror(errno)))")
+                return
+            }
+            let t = cache.tick()
+            let duplicate = state.withLock { s -> Bool in
+                let had = s.entries[block].length != 0
+                s.entries[block] = entry
+                s.ticks[block] = t
+                return had
+            }
+            if duplicate { cache.unreserve(cost) }
+        }
+    }
+
+    func collectBlocks(into out: inout [(tick: UInt64, object: CachedObject, block: Int)]) {
+        state.withLock { s in
+            for i in s.entries.indices where s.entries[i].length != 0 { out.append((s.ticks[i], self, i)) }
+        }
+    }
+
+    /// Drops a block from the index and the disk; returns the disk bytes freed.
+    func evict(block: Int) -> Int64 {
+        let (entry, fd, temporary) = state.withLock { s -> (CacheFileFormat.Entry, Int32, Bool) in
+            let e = s.entries[block]
+            s.entries[block] = .absent
+            if s.fd >= 0 { return (e, s.fd, false) }
+            return (e, Glibc.open(path, O_RDWR | O_CLOEXEC), true)
+        }
+        guard entry.length != 0 else { return 0 }
+        if fd >= 0 {
+            let zero = CacheFileFormat.encode(.absent)
+            _ = zero.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(block))) }
+            _ = SparseFile.punchHole(fd, offset: format.blockOffset(block), length: Int64(entry.length))
+            if temporary { Glibc.close(fd) }
+        }
+        return Self.diskBytes(Int(entry.length))
+    }
+
+    /// A block that failed verification is removed, unless a writer replaced it meanwhile.
+    private func dropIfUnchanged(block: Int, entry: CacheFileFormat.Entry) -> Int64 {
+        let same = state.withLock { $0.entries[block] == entry }
+        guard same else { return 0 }
+        let freed = evict(block: block)
+        cache.unreserve(freed)
+        return freed
+    }
+}

@@ -1,0 +1,26 @@
+import Glibc
+
+/// Where the block cache lives and how large it may grow when the options do not say.
+public enum CacheLocation {
+    /// `/var/cache/storefs` for root, else `$XDG_CACHE_HOME/storefs` or `~/.cache/storefs`.
+    public static func defaultDirectory(environment: [String: String]) -> String {
+        if geteuid() == 0 { return "/var/cache/storefs" }
+        if let xdg = environment["XDG_CACHE_HOME"], xdg.hasPrefix("/") { return xdg + "/storefs" }
+        let home = environment["HOME"] ?? "/tmp"
+        return home + "/.cache/storefs"
+    }
+
+    /// 10 GiB, or half of the free space of the file system holding `directory` if that is
+    /// less (at least 256 MiB), measured at mount.
+    public static func defaultSize(directory: String) -> Int64 {
+        let tenGiB: Int64 = 10 << 30
+        var probe = directory
+        var st = statvfs()
+        while statvfs(probe, &st) != 0 {
+            guard let slash = probe.lastIndex(of: "/"), probe != "/" else { return tenGiB }
+            probe = slash == probe.startIndex ? "/" : String(probe[..<slash])
+        }
+        let free = Int64(st.f_bavail) * Int64(st.f_frsize)
+        return max(256 << 20, min(tenGiB, free / 2))
+    }
+}

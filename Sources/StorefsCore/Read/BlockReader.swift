@@ -1,0 +1,233 @@
+import Foundation
+import StorageClient
+import Synchronization
+
+/// The read path below a file handle: block cache → single-flight ranged downloads → store.
+///
+/// A read of `[offset, offset+n)` walks its blocks. Cached blocks are copied out after their
+/// CRC32C check (`readCached` does only this, on the FUSE thread, and reports a miss). A
+/// missing block is taken from a download already in flight, or a new download of the run of
+/// missing blocks is made on the calling thread. Sequential streams also schedule read-ahead
+/// downloads of `partSize` on the prefetch threads, up to `parallel` at once, within the
+/// memory budget. Every download is pinned to the generation seen at open.
+public final class BlockReader: Sendable {
+    public struct Config: Sendable {
+        public var blockSize: Int
+        public var readAhead: Int64
+        public var parallel: Int
+        public var partSize: Int64
+        public var memoryLimit: Int64
+
+        public init(blockSize: Int = 256 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
+                    partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20) {
+            self.blockSize = blockSize
+            self.readAhead = readAhead
+            self.parallel = parallel
+            self.partSize = partSize
+            self.memoryLimit = memoryLimit
+        }
+    }
+
+    public let config: Config
+    let store: ObjectStore
+    let cache: BlockCache?
+    /// Part of the cache key: the same bucket name at two endpoints is two buckets.
+    let endpoint: String
+    let budget: MemoryBudget
+    private let flights = Mutex([FlightKey: Flight]())
+    private let pool = Mutex<WorkerPool?>(nil)
+
+    struct FlightKey: Hashable {
+        var object: String
+        var generation: Int64
+        var block: Int
+    }
+
+    public init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config) {
+        self.store = store
+        self.cache = cache
+        self.endpoint = endpoint
+        self.config = config
+        budget = MemoryBudget(limit: config.memoryLimit)
+    }
+
+    /// Prefetch threads start on first use, after the daemon has forked.
+    private var prefetchPool: WorkerPool {
+        pool.withLock { p in
+            if p == nil { p = WorkerPool(threads: max(1, config.parallel), name: "storefs-prefetch") }
+            return p!
+        }
+    }
+
+    /// Per-open-file state: the generation's cache entry and the sequential detector.
+    final class Stream: Sendable {
+        let meta: ObjectMetadata
+        let cached: CachedObject?
+        let detector: Mutex<Prefetcher>
+
+        init(meta: ObjectMetadata, cached: CachedObject?, detector: Prefetcher) {
+            self.meta = meta
+            self.cached = cached
+            self.detector = Mutex(detector)
+        }
+    }
+
+    func openStream(_ meta: ObjectMetadata) -> Stream {
+        let cached = meta.size > 0 ? cache?.acquire(endpoint: endpoint, meta: meta) : nil
+        let minWindow = min(config.partSize, config.readAhead)
+        return Stream(meta: meta, cached: cached, detector: Prefetcher(minWindow: minWindow, maxWindow: config.readAhead))
+    }
+
+    func closeStream(_ stream: Stream) {
+        if let c = stream.cached { cache?.release(c) }
+    }
+
+    private var blockSize: Int { config.blockSize }
+
+    private func blockLength(_ meta: ObjectMetadata, _ block: Int) -> Int {
+        Int(min(Int64(blockSize), meta.size - Int64(block) * Int64(blockSize)))
+    }
+
+    /// Notes the read for read-ahead and serves it if every block is cached; false on a miss.
+    /// Never touches the network: safe on a FUSE thread.
+    func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
+        observe(stream, offset: offset, count: dst.count)
+        guard let cached = stream.cached else { return false }
+        var pos = offset
+        let end = offset + Int64(dst.count)
+        while pos < end {
+            let block = Int(pos / Int64(blockSize))
+            let inBlock = Int(pos - Int64(block) * Int64(blockSize))
+            let take = Int(min(end - pos, Int64(blockLength(stream.meta, block) - inBlock)))
+            let out = UnsafeMutableRawBufferPointer(rebasing: dst[Int(pos - offset)..<(Int(pos - offset) + take)])
+            guard cached.read(block: block, from: inBlock, into: out) else { return false }
+            pos += Int64(take)
+        }
+        return true
+    }
+
+    /// Serves the read, downloading what is missing. `observed` is true when `readCached`
+    /// already recorded this read for read-ahead.
+    func read(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer, observed: Bool,
+              isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+        if !observed { observe(stream, offset: offset, count: dst.count) }
+        let meta = stream.meta
+        var pos = offset
+        let end = offset + Int64(dst.count)
+        while pos < end {
+            let block = Int(pos / Int64(blockSize))
+            let inBlock = Int(pos - Int64(block) * Int64(blockSize))
+            let take = Int(min(end - pos, Int64(blockLength(meta, block) - inBlock)))
+            let out = UnsafeMutableRawBufferPointer(rebasing: dst[Int(pos - offset)..<(Int(pos - offset) + take)])
+            if let cached = stream.cached, cached.read(block: block, from: inBlock, into: out) {
+                pos += Int64(take)
+                continue
+            }
+            let lastBlock = Int((end - 1) / Int64(blockSize))
+            let (flight, mine) = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
+            if mine { execute(flight, stream, isCancelled: isCancelled) }
+            guard let outcome = flight.wait(isCancelled: isCancelled) else {
+                throw StorageError(.cancelled, "read interrupted")
+            }
+            switch outcome {
+            case .success:
+                let at = (block - flight.firstBlock) * blockSize + inBlock
+                out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + take)]))
+                pos += Int64(take)
+            case .failure(let error):
+                // Someone else's download was cancelled: make our own on the next turn.
+                if error.code == .cancelled && !mine { continue }
+                throw error
+            }
+        }
+    }
+
+    private func observe(_ stream: Stream, offset: Int64, count: Int) {
+        let ahead = stream.detector.withLock { $0.observe(offset: offset, count: count, size: stream.meta.size) }
+        if let ahead { schedule(stream, ahead) }
+    }
+
+    /// The flight that will bring `block`: an existing one, or a new demand download of the
+    /// run of missing blocks from `block` through at most `lastBlock`.
+    private func flightFor(_ stream: Stream, block: Int, through lastBlock: Int,
+                           isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> (Flight, Bool) {
+        let meta = stream.meta
+        let key = FlightKey(object: meta.name, generation: meta.generation, block: block)
+        if let existing = flights.withLock({ $0[key] }) { return (existing, false) }
+        var last = block
+        while last < lastBlock, !(stream.cached?.isCached(last + 1) ?? false),
+              flights.withLock({ $0[FlightKey(object: meta.name, generation: meta.generation, block: last + 1)] }) == nil {
+            last += 1
+        }
+        let start = Int64(block) * Int64(blockSize)
+        let length = Int(min(meta.size, Int64(last + 1) * Int64(blockSize)) - start)
+        guard budget.acquire(Int64(length), isCancelled: isCancelled) else {
+            throw StorageError(.cancelled, "read interrupted while waiting for memory")
+        }
+        let flight = Flight(firstBlock: block, blockCount: last - block + 1, start: start, length: length, budget: budget)
+        let winner: Flight = flights.withLock { f in
+            if let raced = f[key] { return raced }
+            for b in block...last { f[FlightKey(object: meta.name, generation: meta.generation, block: b)] = flight }
+            return flight
+        }
+        return (winner, winner === flight)
+    }
+
+    /// Schedules read-ahead downloads for the bytes in `range`, in parts, skipping blocks that
+    /// are cached or already coming; stops where the memory budget is used up.
+    private func schedule(_ stream: Stream, _ range: Range<Int64>) {
+        let meta = stream.meta
+        let first = Int(range.lowerBound / Int64(blockSize))
+        let last = Int((range.upperBound - 1) / Int64(blockSize))
+        let perPart = max(1, Int(config.partSize / Int64(blockSize)))
+        var b = first
+        while b <= last {
+            if stream.cached?.isCached(b) ?? false
+                || flights.withLock({ $0[FlightKey(object: meta.name, generation: meta.generation, block: b)] }) != nil {
+                b += 1
+                continue
+            }
+            var end = b
+            while end < last, end - b + 1 < perPart, !(stream.cached?.isCached(end + 1) ?? false),
+                  flights.withLock({ $0[FlightKey(object: meta.name, generation: meta.generation, block: end + 1)] }) == nil {
+                end += 1
+            }
+            let start = Int64(b) * Int64(blockSize)
+            let length = Int(min(meta.size, Int64(end + 1) * Int64(blockSize)) - start)
+            guard budget.tryAcquire(Int64(length)) else { return }
+            let flight = Flight(firstBlock: b, blockCount: end - b + 1, start: start, length: length, budget: budget)
+            let registered: Bool = flights.withLock { f in
+                for k in b...end where f[FlightKey(object: meta.name, generation: meta.generation, block: k)] != nil { return false }
+                for k in b...end { f[FlightKey(object: meta.name, generation: meta.generation, block: k)] = flight }
+                return true
+            }
+            if registered {
+                prefetchPool.submit { [self] in self.execute(flight, stream, isCancelled: nil) }
+            }
+            b = end + 1
+        }
+    }
+
+    /// Downloads a flight's bytes, stores them in the cache, then wakes its waiters.
+    /// `isCancelled` is the interrupted-check of the reader that made a demand download; other
+    /// waiters of a cancelled download make their own.
+    private func execute(_ flight: Flight, _ stream: Stream, isCancelled: (@Sendable () -> Bool)?) {
+        let meta = stream.meta
+        let result: Result<Void, StorageError>
+        do throws(StorageError) {
+            try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.buffer,
+                           isCancelled: isCancelled)
+            stream.cached?.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+            result = .success(())
+        } catch {
+            result = .failure(error)
+        }
+        flights.withLock { f in
+            for k in flight.firstBlock..<(flight.firstBlock + flight.blockCount) {
+                let key = FlightKey(object: meta.name, generation: meta.generation, block: k)
+                if f[key] === flight { f.removeValue(forKey: key) }
+            }
+        }
+        flight.finish(result)
+    }
+}

@@ -1,0 +1,45 @@
+import Foundation
+
+/// A global bound on bytes held by downloads in flight (`memory_limit=`). Demand reads wait
+/// for room; read-ahead only takes room that is free, so it never starves a reader.
+final class MemoryBudget: @unchecked Sendable {
+    let limit: Int64
+    private var used: Int64 = 0
+    private let condition = NSCondition()
+
+    init(limit: Int64) { self.limit = limit }
+
+    /// Waits for `bytes` of room; false if `isCancelled` turned true first.
+    func acquire(_ bytes: Int64, isCancelled: (@Sendable () -> Bool)?) -> Bool {
+        condition.lock()
+        defer { condition.unlock() }
+        // A single request larger than the whole budget may run alone.
+        while used > 0 && used + bytes > limit {
+            if let isCancelled, isCancelled() { return false }
+            _ = condition.wait(until: Date().addingTimeInterval(0.05))
+        }
+        used += bytes
+        return true
+    }
+
+    func tryAcquire(_ bytes: Int64) -> Bool {
+        condition.lock()
+        defer { condition.unlock() }
+        guard used + bytes <= limit else { return false }
+        used += bytes
+        return true
+    }
+
+    func release(_ bytes: Int64) {
+        condition.lock()
+        used -= bytes
+        condition.broadcast()
+        condition.unlock()
+    }
+
+    var inUse: Int64 {
+        condition.lock()
+        defer { condition.unlock() }
+        return used
+    }
+}

@@ -1,0 +1,49 @@
+/// Per-open-file detection of sequential reading and the size of the read-ahead window.
+///
+/// A read that starts near where the previous one ended extends a streak. Once a streak is
+/// established (two sequential reads, or one large one — the kernel's own readahead sends
+/// 128 KiB to 1 MiB requests for sequential buffered reads) the window opens at one part and
+/// doubles on every read up to `read_ahead`. Anything else resets it: random access gets no
+/// read-ahead at all, only the blocks it asked for.
+struct Prefetcher {
+    let minWindow: Int64
+    let maxWindow: Int64
+    /// How far a read may start from the previous end and still count as sequential: the
+    /// kernel issues several readahead requests at once and they can arrive out of order.
+    static let tolerance: Int64 = 4 << 20
+    static let largeRead = 128 << 10
+
+    private var expected: Int64 = 0
+    private var streak = 0
+    private var window: Int64
+    private var scheduledUntil: Int64 = 0
+
+    init(minWindow: Int64, maxWindow: Int64) {
+        self.minWindow = min(minWindow, maxWindow)
+        self.maxWindow = maxWindow
+        window = self.minWindow
+    }
+
+    /// Records a read of `count` bytes at `offset`; returns the byte range to fetch ahead, if any.
+    mutating func observe(offset: Int64, count: Int, size: Int64) -> Range<Int64>? {
+        let end = offset + Int64(count)
+        let near = abs(offset - expected) <= Self.tolerance
+        let startOfFile = offset == 0 && streak == 0
+        expected = max(expected, end)
+        if !near && !startOfFile {
+            streak = 0
+            window = minWindow
+            expected = end
+            scheduledUntil = end
+            return nil
+        }
+        streak += 1
+        guard maxWindow > 0, streak >= 2 || count >= Self.largeRead else { return nil }
+        if streak > 2 { window = min(window * 2, maxWindow) }
+        let from = max(scheduledUntil, end)
+        let to = min(size, end + window)
+        guard to > from else { return nil }
+        scheduledUntil = to
+        return from..<to
+    }
+}
