@@ -5,7 +5,7 @@ import Synchronization
 /// FUSE's threads nor Swift's two-thread cooperative pool ever wait on the network.
 public final class WorkerPool: Sendable {
     private struct Queue: ~Copyable {
-        var jobs: [@Sendable () -> Void] = []
+        var jobs: [(@Sendable () -> Void)?] = []
         var head = 0
         var stopping = false
     }
@@ -44,6 +44,7 @@ public final class WorkerPool: Sendable {
             let job: (@Sendable () -> Void)? = queue.withLock { q in
                 guard q.head < q.jobs.count else { return nil }
                 let j = q.jobs[q.head]
+                q.jobs[q.head] = nil  // release what the job captured (flights hold budget)
                 q.head += 1
                 if q.head > 1024 && q.head * 2 > q.jobs.count {
                     q.jobs.removeFirst(q.head)

@@ -34,6 +34,7 @@ public final class BlockReader: Sendable {
     /// Part of the cache key: the same bucket name at two endpoints is two buckets.
     let endpoint: String
     let budget: MemoryBudget
+    let buffers: FlightBufferPool
     private let flights = Mutex([FlightKey: Flight]())
     private let pool = Mutex<WorkerPool?>(nil)
 
@@ -49,6 +50,9 @@ public final class BlockReader: Sendable {
         self.endpoint = endpoint
         self.config = config
         budget = MemoryBudget(limit: config.memoryLimit)
+        let part = Int(max(config.partSize, Int64(config.blockSize)))
+        buffers = FlightBufferPool(regionSize: max(part, FuseLimits.maxRequest + config.blockSize),
+                                   keep: max(2, min(config.parallel * 2, Int(config.memoryLimit) / part)))
     }
 
     /// Prefetch threads start on first use, after the daemon has forked.
@@ -164,7 +168,7 @@ public final class BlockReader: Sendable {
         guard budget.acquire(Int64(length), isCancelled: isCancelled) else {
             throw StorageError(.cancelled, "read interrupted while waiting for memory")
         }
-        let flight = Flight(firstBlock: block, blockCount: last - block + 1, start: start, length: length, budget: budget)
+        let flight = Flight(firstBlock: block, blockCount: last - block + 1, start: start, length: length, budget: budget, pool: buffers)
         let winner: Flight = flights.withLock { f in
             if let raced = f[key] { return raced }
             for b in block...last { f[FlightKey(object: meta.name, generation: meta.generation, block: b)] = flight }
@@ -195,7 +199,7 @@ public final class BlockReader: Sendable {
             let start = Int64(b) * Int64(blockSize)
             let length = Int(min(meta.size, Int64(end + 1) * Int64(blockSize)) - start)
             guard budget.tryAcquire(Int64(length)) else { return }
-            let flight = Flight(firstBlock: b, blockCount: end - b + 1, start: start, length: length, budget: budget)
+            let flight = Flight(firstBlock: b, blockCount: end - b + 1, start: start, length: length, budget: budget, pool: buffers)
             let registered: Bool = flights.withLock { f in
                 for k in b...end where f[FlightKey(object: meta.name, generation: meta.generation, block: k)] != nil { return false }
                 for k in b...end { f[FlightKey(object: meta.name, generation: meta.generation, block: k)] = flight }
@@ -215,9 +219,12 @@ public final class BlockReader: Sendable {
         let meta = stream.meta
         let result: Result<Void, StorageError>
         do throws(StorageError) {
+            let t0 = now()
             try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.buffer,
                            isCancelled: isCancelled)
+            let t1 = now()
             stream.cached?.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+            Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.buffer.count) get_ms=\(Int((t1 - t0) * 1000)) store_ms=\(Int((now() - t1) * 1000))")
             result = .success(())
         } catch {
             result = .failure(error)
@@ -230,4 +237,9 @@ public final class BlockReader: Sendable {
         }
         flight.finish(result)
     }
+}
+
+/// The kernel's largest FUSE request here (max_pages 256): the most one read asks for.
+public enum FuseLimits {
+    public static let maxRequest = 1 << 20
 }

@@ -42,7 +42,8 @@ struct Prefetcher {
         if streak > 2 { window = min(window * 2, maxWindow) }
         let from = max(scheduledUntil, end)
         let to = min(size, end + window)
-        guard to > from else { return nil }
+        // Whole parts only: sliding the window by each 1 MiB read would make 1 MiB GETs.
+        guard to > from, to - from >= minWindow || to == size else { return nil }
         scheduledUntil = to
         return from..<to
     }
