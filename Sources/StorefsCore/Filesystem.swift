@@ -87,8 +87,22 @@ public final class Filesystem: Sendable {
             throw FilesystemError(.noEntry, "name cannot be a path component")
         }
         let path = Self.join(parentPath, name)
-        let entry = try resolve(path: path, parentPath: parentPath, name: name)
-        return register(path: path, entry: entry, countLookup: true)
+        do throws(FilesystemError) {
+            let entry = try resolve(path: path, parentPath: parentPath, name: name)
+            return register(path: path, entry: entry, countLookup: true)
+        } catch {
+            // The bucket is unreachable or failing: a path we already know keeps working from
+            // what we know (its cached blocks stay readable). Missing and denied stay errors.
+            guard case .storage(let code) = error.code, code == .unreachable || code == .retryLimitExceeded,
+                  let known = table.withLock({ t -> (UInt64, Node)? in
+                      guard let ino = t.byPath[path], var node = t.nodes[ino] else { return nil }
+                      node.lookups += 1
+                      t.nodes[ino] = node
+                      return (ino, node)
+                  }) else { throw error }
+            Log.info("op=lookup path=\(path) serving known attributes while the bucket is unreachable")
+            return attributes(known.0, known.1)
+        }
     }
 
     /// Drops `count` kernel references; an inode nobody references is forgotten.

@@ -1,3 +1,4 @@
+import Glibc
 import StorageClient
 import Synchronization
 
@@ -10,6 +11,12 @@ final class MemoryStore: ObjectStore {
     private let objects = Mutex<[String: (ObjectMetadata, [UInt8])]>([:])
     private let counts = Mutex(Counts())
     private let failure = Mutex<StorageError?>(nil)
+    private let delay = Mutex<Double>(0)
+    private let readBytes = Mutex<Int>(0)
+
+    /// Makes every media read take this long (to line readers up on one download).
+    func delayReads(_ seconds: Double) { delay.withLock { $0 = seconds } }
+    var bytesRead: Int { readBytes.withLock { $0 } }
 
     init(pageSize: Int = 1000) { self.pageSize = pageSize }
 
@@ -60,6 +67,14 @@ final class MemoryStore: ObjectStore {
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         counts.withLock { $0.read += 1 }
         try check()
+        let wait = delay.withLock { $0 }
+        var waited = 0.0
+        while waited < wait {
+            if let isCancelled, isCancelled() { throw StorageError(.cancelled, "cancelled") }
+            usleep(10_000)
+            waited += 0.01
+        }
+        readBytes.withLock { $0 += buffer.count }
         guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {
             throw StorageError(.generationChanged, "gone", httpStatus: 404)
         }

@@ -13,7 +13,8 @@ struct Prefetcher {
     static let tolerance: Int64 = 4 << 20
     static let largeRead = 128 << 10
 
-    private var expected: Int64 = 0
+    /// Where the next sequential read would start; none before the first read.
+    private var expected: Int64 = Int64.min / 2
     private var streak = 0
     private var window: Int64
     private var scheduledUntil: Int64 = 0
@@ -28,7 +29,7 @@ struct Prefetcher {
     mutating func observe(offset: Int64, count: Int, size: Int64) -> Range<Int64>? {
         let end = offset + Int64(count)
         let near = abs(offset - expected) <= Self.tolerance
-        let startOfFile = offset == 0 && streak == 0
+        let startOfFile = offset == 0 && expected == Int64.min / 2
         expected = max(expected, end)
         if !near && !startOfFile {
             streak = 0

@@ -1,0 +1,246 @@
+import Foundation
+import Synchronization
+import Glibc
+import Testing
+import StorageClient
+@testable import StorefsCore
+
+func temporaryDirectory() -> String {
+    let path = NSTemporaryDirectory() + "storefs-test-\(UUID().uuidString)"
+    try! FileManager.default.createDirectory(atPath: path, withIntermediateDirectories: true)
+    return path
+}
+
+func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
+    (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 31 &+ Int(seed) &+ ($0 >> 11)) }
+}
+
+@Suite struct CacheFileFormatTests {
+    /// Pins the on-disk header byte for byte: if this fails, the format changed — bump
+    /// `CacheFileFormat.version` (old caches are then discarded at start-up) and update this.
+    @Test func headerIsByteForByteStable() {
+        let key = BlockCache.keyHash(endpoint: "https://storage.googleapis.com", bucket: "b", name: "dir/a.bin", generation: 42)
+        let f = CacheFileFormat(blockSize: 65536, objectSize: 200_000, generation: 42, keyHash: key)
+        let header = f.encodeHeader()
+        // Cross-checked with Python's hashlib and a bitwise CRC32C (Castagnoli) implementation.
+        #expect(BlockCache.hex(key) == "242045596240480dca027e4040c4c58a03c7a091f6c735adcf553f93cdc60ccc")
+        #expect(BlockCache.hex(Array(header[0..<72])) == "53544653424c4b000100000000000100400d0300000000002a00000000000000"
+            + "242045596240480dca027e4040c4c58a03c7a091f6c735adcf553f93cdc60ccc" + "04000000" + "973b96eb")
+        #expect(header[72...].allSatisfy { $0 == 0 })
+        #expect(f.dataOffset == 4096 && f.entryOffset(3) == 152 && f.blockOffset(2) == 4096 + 131072)
+        #expect(f.blockLength(3) == 200_000 - 3 * 65536)
+        #expect(CacheFileFormat.decodeHeader(header) == f)
+        #expect(CacheFileFormat.encode(.init(crc: 0x0102_0304, length: 65536)) == [4, 3, 2, 1, 0, 0, 1, 0])
+    }
+
+    @Test func damagedHeadersAreRejected() {
+        let f = CacheFileFormat(blockSize: 4096, objectSize: 10, generation: 1, keyHash: Array(repeating: 1, count: 32))
+        var h = f.encodeHeader()
+        h[20] ^= 1
+        #expect(CacheFileFormat.decodeHeader(h) == nil)
+        var v = f.encodeHeader()
+        v[8] = 2
+        #expect(CacheFileFormat.decodeHeader(v) == nil)
+    }
+
+    @Test func crc32cMatchesTheCastagnoliCheckValue() {
+        let bytes = Array("123456789".utf8)
+        #expect(bytes.withUnsafeBytes { Checksum.crc32c($0) } == 0xE306_9283)
+        let big = pattern(100_003)
+        let whole = big.withUnsafeBytes { Checksum.crc32c($0) }
+        #expect(whole != 0 && whole == big.withUnsafeBytes { Checksum.crc32c($0) })
+    }
+}
+
+@Suite struct BlockCacheTests {
+    let dir = temporaryDirectory()
+    let meta = ObjectMetadata(name: "a/b.bin", bucket: "b", size: 10_000, generation: 5, updated: Timestamp(seconds: 0))
+
+    func storeAll(_ o: CachedObject, _ bytes: [UInt8]) {
+        bytes.withUnsafeBytes { o.store(first: 0, $0) }
+    }
+
+    func readBack(_ o: CachedObject, block: Int, from: Int = 0, count: Int) -> [UInt8]? {
+        var out = [UInt8](repeating: 0, count: count)
+        let ok = out.withUnsafeMutableBytes { o.read(block: block, from: from, into: $0) }
+        return ok ? out : nil
+    }
+
+    @Test func storedBlocksSurviveReopeningTheCache() throws {
+        let bytes = pattern(10_000)
+        do {
+            let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+            let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+            storeAll(o, bytes)
+            #expect(readBack(o, block: 2, count: 10_000 - 8192) == Array(bytes[8192...]))
+            #expect(readBack(o, block: 1, from: 100, count: 50) == Array(bytes[4196..<4246]))
+            cache.release(o)
+        }
+        let again = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let o = try #require(again.acquire(endpoint: "e", meta: meta))
+        #expect((0..<3).allSatisfy { o.isCached($0) })
+        #expect(readBack(o, block: 0, count: 4096) == Array(bytes[0..<4096]))
+        // Another generation or endpoint shares nothing.
+        var newer = meta
+        newer.generation = 6
+        let other = try #require(again.acquire(endpoint: "e", meta: newer))
+        #expect(!other.isCached(0))
+        #expect(!(try #require(again.acquire(endpoint: "f", meta: meta))).isCached(0))
+    }
+
+    @Test func corruptedBlockIsNeverServed() throws {
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        storeAll(o, pattern(10_000))
+        let fd = open(o.path, O_RDWR)
+        var junk: UInt8 = 0xFF
+        #expect(pwrite(fd, &junk, 1, off_t(o.format.blockOffset(1) + 17)) == 1)
+        close(fd)
+        #expect(readBack(o, block: 1, count: 4096) == nil)
+        #expect(!o.isCached(1) && o.isCached(0))
+    }
+
+    @Test func capIsHardAndLeastRecentlyUsedGoesFirst() throws {
+        let cap: Int64 = 64 << 10
+        let cache = try BlockCache(directory: dir, capacity: cap, blockSize: 4096)
+        var objects: [CachedObject] = []
+        for g in 1...6 {
+            var m = meta
+            m.generation = Int64(g)
+            m.size = 16_384
+            let o = try #require(cache.acquire(endpoint: "e", meta: m))
+            storeAll(o, pattern(16_384, seed: UInt8(g)))
+            #expect(cache.usedBytes <= cap)
+            objects.append(o)
+            _ = readBack(objects[0], block: 0, count: 4096)  // keep the first one hot
+        }
+        #expect(objects[0].isCached(0))
+        #expect(!objects[1].isCached(0))
+        var onDisk: Int64 = 0
+        let e = FileManager.default.enumerator(atPath: cache.root)!
+        while let f = e.nextObject() as? String {
+            var st = stat()
+            stat(cache.root + "/" + f, &st)
+            if st.st_mode & S_IFMT == S_IFREG { onDisk += Int64(st.st_blocks) * 512 }
+        }
+        #expect(onDisk <= cap + 8192, "allocated \(onDisk)")
+    }
+
+    @Test func cacheFilesArePrivateAndNamedByHash() throws {
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        var st = stat()
+        stat(dir, &st)
+        #expect(st.st_mode & 0o777 == 0o700)
+        stat(cache.root, &st)
+        #expect(st.st_mode & 0o777 == 0o700)
+        stat(o.path, &st)
+        #expect(st.st_mode & 0o777 == 0o600)
+        #expect(!o.path.contains("b.bin") && o.path.hasSuffix(".blk"))
+    }
+
+    @Test func leftoverTempFilesAndOtherVersionsAreRemovedAtStart() throws {
+        _ = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let shard = dir + "/v1/ab"
+        mkdir(shard, 0o700)
+        _ = FileManager.default.createFile(atPath: shard + "/junk.blk.tmp123-4", contents: Data([1, 2, 3]))
+        _ = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        #expect(!FileManager.default.fileExists(atPath: shard + "/junk.blk.tmp123-4"))
+    }
+}
+
+@Suite struct PrefetcherTests {
+    @Test func sequentialReadsOpenAWindowThatGrowsInWholeParts() {
+        var p = Prefetcher(minWindow: 8 << 20, maxWindow: 32 << 20)
+        let mib: Int64 = 1 << 20
+        #expect(p.observe(offset: 0, count: 1 << 20, size: 1 << 30) == mib..<(9 * mib))
+        #expect(p.observe(offset: mib, count: 1 << 20, size: 1 << 30) == nil)  // less than a part to add
+        let third = p.observe(offset: 2 * mib, count: 1 << 20, size: 1 << 30)
+        #expect(third == (9 * mib)..<(19 * mib))
+        var scheduled: Int64 = 19 * mib
+        for i in 3..<40 {
+            if let r = p.observe(offset: Int64(i) * mib, count: 1 << 20, size: 1 << 30) {
+                #expect(r.lowerBound == scheduled && r.count >= 8 << 20 && r.upperBound <= Int64(i + 1) * mib + (32 << 20))
+                scheduled = r.upperBound
+            }
+        }
+        #expect(scheduled >= 40 * mib + (24 << 20))
+    }
+
+    @Test func randomAccessGetsNoReadAhead() {
+        var p = Prefetcher(minWindow: 8 << 20, maxWindow: 64 << 20)
+        var rng = SystemRandomNumberGenerator()
+        var ahead = 0
+        _ = p.observe(offset: 500 << 20, count: 4096, size: 1 << 30)
+        for _ in 0..<500 {
+            let off = Int64.random(in: 0..<(1 << 30), using: &rng) & ~4095
+            if p.observe(offset: off, count: 4096, size: 1 << 30) != nil { ahead += 1 }
+        }
+        #expect(ahead <= 2)
+    }
+
+    @Test func windowStopsAtEndOfFile() {
+        var p = Prefetcher(minWindow: 8 << 20, maxWindow: 64 << 20)
+        #expect(p.observe(offset: 0, count: 1 << 20, size: 3 << 20) == (1 << 20)..<(3 << 20))
+        #expect(p.observe(offset: 1 << 20, count: 1 << 20, size: 3 << 20) == nil)
+    }
+}
+
+@Suite struct BlockReaderTests {
+    @Test func concurrentReadersOfOneBlockShareOneDownload() throws {
+        let store = MemoryStore()
+        store.put("f", pattern(1 << 20))
+        let reader = BlockReader(store: store, cache: nil, endpoint: "e",
+                                 config: .init(blockSize: 64 << 10, readAhead: 0, memoryLimit: 8 << 20))
+        let meta = try store.metadata(of: "f")
+        store.delayReads(0.3)
+        let results = Mutex<[[UInt8]]>([])
+        let group = DispatchGroup()
+        for _ in 0..<4 {
+            group.enter()
+            // Threads of our own, as in the daemon: the cooperative pool has only two.
+            Thread {
+                let stream = reader.openStream(meta)
+                var out = [UInt8](repeating: 0, count: 4096)
+                try? out.withUnsafeMutableBytes { try reader.read(stream, at: 70_000, into: $0, observed: false, isCancelled: nil) }
+                results.withLock { $0.append(out) }
+                group.leave()
+            }.start()
+        }
+        group.wait()
+        #expect(results.withLock { $0.count } == 4)
+        #expect(results.withLock { $0 }.allSatisfy { $0 == Array(pattern(1 << 20)[70_000..<74_096]) })
+        #expect(store.requests.read == 1)
+    }
+
+    @Test func randomReadFetchesOnlyItsBlocksAndHitsNeedNoNetwork() throws {
+        let store = MemoryStore()
+        store.put("f", pattern(4 << 20))
+        let dir = temporaryDirectory()
+        let cache = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: 64 << 10)
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 64 << 10))
+        let meta = try store.metadata(of: "f")
+        let stream = reader.openStream(meta)
+        var out = [UInt8](repeating: 0, count: 4096)
+        try out.withUnsafeMutableBytes { try reader.read(stream, at: 3_000_000, into: $0, observed: false, isCancelled: nil) }
+        #expect(out == Array(pattern(4 << 20)[3_000_000..<3_004_096]))
+        #expect(store.requests.read == 1 && store.bytesRead == 64 << 10)
+        #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: 3_000_100, into: $0) })
+        #expect(store.requests.read == 1)
+        reader.closeStream(stream)
+    }
+
+    @Test func interruptedReaderGetsCancelled() throws {
+        let store = MemoryStore()
+        store.put("f", pattern(1 << 20))
+        store.delayReads(0.5)
+        let reader = BlockReader(store: store, cache: nil, endpoint: "e", config: .init(blockSize: 64 << 10, readAhead: 0))
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        var out = [UInt8](repeating: 0, count: 4096)
+        let start = Date()
+        #expect {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: { true }) }
+        } throws: { ($0 as? StorageError)?.code == .cancelled }
+        #expect(Date().timeIntervalSince(start) < 2)
+    }
+}
