@@ -19,6 +19,11 @@ private func replyReadOnly(_ req: fuse_req_t?) {
     _ = fuse_reply_err(req, Errno.value(for: .readOnly))
 }
 
+/// The uid of the process behind a request (who asks for a capability attribute).
+private func requester(_ req: fuse_req_t?) -> UInt32 {
+    fuse_req_ctx(req)?.pointee.uid ?? UInt32.max
+}
+
 func makeStat(_ a: FileAttributes) -> stat {
     var st = stat()
     st.st_ino = __ino_t(a.inode)
@@ -219,7 +224,8 @@ func makeOperations() -> fuse_lowlevel_ops {
     ops.getxattr = { req, ino, name, size in
         let fs = context(req).fs
         do {
-            replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: String(cString: name!)), size: size)
+            replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: String(cString: name!), requester: requester(req)),
+                       size: size)
         } catch let e as FilesystemError {
             reply(req, e)
         } catch {
@@ -231,7 +237,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         let fs = context(req).fs
         do {
             var list: [UInt8] = []
-            for name in try fs.extendedAttributeNames(UInt64(ino)) { list += Array(name.utf8) + [0] }
+            for name in try fs.extendedAttributeNames(UInt64(ino), requester: requester(req)) { list += Array(name.utf8) + [0] }
             replyXattr(req, list, size: size)
         } catch let e as FilesystemError {
             reply(req, e)

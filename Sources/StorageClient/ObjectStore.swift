@@ -6,6 +6,9 @@ public protocol ObjectStore: Sendable {
     var bucket: String { get }
     /// One page of `prefix` listed with `delimiter=/`.
     func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage
+    /// Whether anything (objects, sub-prefixes, a placeholder) lies under `prefix` (ends in `/`):
+    /// one small list request, used to tell a directory from a file.
+    func hasChildren(prefix: String) throws(StorageError) -> Bool
     /// The object's current metadata.
     func metadata(of name: String) throws(StorageError) -> ObjectMetadata
     /// Copies bytes `[offset, offset + buffer.count)` of generation `generation` into `buffer`.

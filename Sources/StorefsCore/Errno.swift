@@ -15,6 +15,7 @@ public enum Errno {
         case .isDirectory: return EISDIR
         case .nameTooLong: return ENAMETOOLONG
         case .noAttribute: return ENODATA
+        case .permissionDenied: return EACCES
         case .bufferTooSmall: return ERANGE
         case .staleHandle: return EBADF
         case .invalidArgument: return EINVAL

@@ -22,9 +22,15 @@ public final class Filesystem: Sendable {
         public var gid: UInt32
         public var fileMode: UInt32
         public var dirMode: UInt32
+        public var downloadURL: DownloadURL
+        /// Metadata GETs in flight at once when a listing lacks sizes (Firebase v0).
+        public var metadataParallelism: Int
 
         public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
-                    gid: UInt32 = getgid(), fileMode: UInt32 = 0o444, dirMode: UInt32 = 0o555) {
+                    gid: UInt32 = getgid(), fileMode: UInt32 = 0o444, dirMode: UInt32 = 0o555,
+                    downloadURL: DownloadURL = DownloadURL(ownerUID: getuid()), metadataParallelism: Int = 16) {
+            self.downloadURL = downloadURL
+            self.metadataParallelism = metadataParallelism
             self.statTTL = statTTL
             self.listTTL = listTTL
             self.negativeTTL = negativeTTL
@@ -164,8 +170,7 @@ public final class Filesystem: Sendable {
         let objectName = objectName(of: path)
         do throws(StorageError) {
             // Directories win over a same-named file, so ask about the prefix first.
-            let page = try store.list(prefix: objectName + "/", pageToken: nil)
-            if !page.items.isEmpty || !page.prefixes.isEmpty { return .directory }
+            if try store.hasChildren(prefix: objectName + "/") { return .directory }
             return .file(try store.metadata(of: objectName))
         } catch {
             if error.code == .notFound {
@@ -246,6 +251,7 @@ public final class Filesystem: Sendable {
             Log.warn("op=readdir prefix=\(prefix) error=\(error.message)")
             throw FilesystemError(error)
         }
+        if pages.contains(where: { !$0.metadataComplete }) { pages = try completeMetadata(pages) }
         let listing = DirectoryListing(prefix: prefix, pages: pages)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
@@ -265,6 +271,32 @@ public final class Filesystem: Sendable {
             }
         }
         return listing
+    }
+
+    /// Fills in sizes and times of name-only list items (Firebase v0) with metadata GETs, a
+    /// bounded number at a time. Items gone meanwhile are dropped.
+    private func completeMetadata(_ pages: [ListPage]) throws(FilesystemError) -> [ListPage] {
+        let names = pages.flatMap { $0.items.map(\.name) }.filter {
+            let rel = $0.split(separator: "/", omittingEmptySubsequences: false).last ?? ""
+            return DirectoryListing.isRepresentable(rel)
+        }
+        let results = ParallelMap.run(names, width: config.metadataParallelism) { name -> Result<ObjectMetadata, StorageError> in
+            do throws(StorageError) { return .success(try self.store.metadata(of: name)) } catch { return .failure(error) }
+        }
+        var complete: [ObjectMetadata] = []
+        for (name, result) in zip(names, results) {
+            switch result {
+            case .success(let m): complete.append(m)
+            case .failure(let e) where e.code == .notFound: Log.debug("op=readdir object=\(name) vanished while listing")
+            case .failure(let e):
+                Log.warn("op=readdir object=\(name) error=\(e.message)")
+                throw FilesystemError(e)
+            }
+        }
+        var merged = pages.map { ListPage(items: [], prefixes: $0.prefixes, nextPageToken: $0.nextPageToken) }
+        if merged.isEmpty { return [] }
+        merged[0].items = complete
+        return merged
     }
 
     // MARK: Files
@@ -342,18 +374,39 @@ public final class Filesystem: Sendable {
 
     static let xattrPrefix = "user.storefs."
 
-    public func extendedAttributeNames(_ inode: UInt64) throws(FilesystemError) -> [String] {
-        try xattrs(inode).map(\.0)
+    static let downloadURLAttribute = xattrPrefix + "download_url"
+
+    /// The attribute names `uid` may see.
+    public func extendedAttributeNames(_ inode: UInt64, requester uid: UInt32 = 0) throws(FilesystemError) -> [String] {
+        let names = try xattrs(inode, withURL: false).map(\.0)
+        guard try isFile(inode), config.downloadURL.allows(uid) else { return names }
+        return [Self.downloadURLAttribute] + names
     }
 
-    public func extendedAttribute(_ inode: UInt64, name: String) throws(FilesystemError) -> [UInt8] {
-        guard let value = try xattrs(inode).first(where: { $0.0 == name })?.1 else {
+    public func extendedAttribute(_ inode: UInt64, name: String, requester uid: UInt32 = 0) throws(FilesystemError) -> [UInt8] {
+        if name == Self.downloadURLAttribute, try isFile(inode) {
+            switch config.downloadURL.access {
+            case .off: throw FilesystemError(.noAttribute, "download_url is turned off (url_xattr=off)")
+            case .owner where !config.downloadURL.allows(uid):
+                throw FilesystemError(.permissionDenied, "download_url is readable by the mounting user only (url_xattr=owner)")
+            default: break
+            }
+        }
+        guard let value = try xattrs(inode, withURL: name == Self.downloadURLAttribute).first(where: { $0.0 == name })?.1 else {
             throw FilesystemError(.noAttribute, "no attribute \(name)")
         }
         return Array(value.utf8)
     }
 
-    private func xattrs(_ inode: UInt64) throws(FilesystemError) -> [(String, String)] {
+    private func isFile(_ inode: UInt64) throws(FilesystemError) -> Bool {
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        if case .file = node.kind { return true }
+        return false
+    }
+
+    private func xattrs(_ inode: UInt64, withURL: Bool) throws(FilesystemError) -> [(String, String)] {
         _ = try attributes(of: inode)
         guard let node = table.withLock({ $0.nodes[inode] }) else {
             throw FilesystemError(.staleHandle, "unknown inode \(inode)")
@@ -364,7 +417,6 @@ public final class Filesystem: Sendable {
             return [(p + "gs_uri", "gs://\(reference.bucket)/\(name)")]
         }
         var out: [(String, String)] = [
-            (p + "download_url", DownloadURL.forObject(m)),
             (p + "gs_uri", "gs://\(m.bucket)/\(m.name)"),
             (p + "generation", String(m.generation)),
         ]
@@ -377,6 +429,7 @@ public final class Filesystem: Sendable {
         for key in m.custom.keys.sorted() where key != "firebaseStorageDownloadTokens" {
             out.append((p + "meta." + key, m.custom[key]!))
         }
+        if withURL { out.append((Self.downloadURLAttribute, config.downloadURL.url(for: m))) }
         return out
     }
 }

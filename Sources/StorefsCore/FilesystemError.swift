@@ -16,6 +16,8 @@ public struct FilesystemError: Error, Sendable, CustomStringConvertible {
         case nameTooLong
         /// The extended attribute does not exist for this inode.
         case noAttribute
+        /// This caller may not see this (a capability attribute under url_xattr=owner).
+        case permissionDenied
         /// The caller's buffer is smaller than the value (getxattr/listxattr size protocol).
         case bufferTooSmall
         /// An inode or handle number the filesystem does not know (a kernel/adapter bug).

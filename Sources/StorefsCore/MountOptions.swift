@@ -12,9 +12,20 @@ public struct MountOptions: Sendable, Equatable {
     public var mountpoint: String
     public var foreground = false
     public var debug = false
-    public var endpoint = GCSJSONStore.defaultEndpoint
+    public enum StorageProtocol: String, Sendable { case gcs, firebase }
+
+    public var storageProtocol = StorageProtocol.gcs
+    /// nil: the protocol's production origin (or an emulator variable's).
+    public var endpoint: String?
     public var anonymous = false
     public var tokenFile: String?
+    public var credentialsFile: String?
+    public var apiKey: String?
+    public var email: String?
+    public var passwordFile: String?
+    public var authEndpoint: String?
+    public var urlAccess = DownloadURL.Access.owner
+    public var urlExpiry = 3600
     public var cacheDir: String?
     /// nil: the default, decided at mount from the free space (see `defaultCacheSize`).
     public var cacheSize: Int64?
@@ -64,8 +75,15 @@ public struct MountOptions: Sendable, Equatable {
           -f                 stay in the foreground (log to stderr)
           -d                 debug logging (implies -f)
           -o endpoint=URL    API origin (default https://storage.googleapis.com; STORAGE_EMULATOR_HOST sets it)
+          -o protocol=P      gcs (GCS JSON API, default) or firebase (Firebase Storage v0, Security Rules)
           -o anonymous       send no credentials
-          -o token_file=FILE OAuth2 access token, re-read when the file changes
+          -o token_file=FILE access token (gcs) or Firebase ID token (firebase), re-read when the file changes
+          -o credentials=FILE service-account or authorized-user JSON (default: GOOGLE_APPLICATION_CREDENTIALS,
+                             then gcloud's application-default file, then the metadata server)
+          -o api_key=KEY     Firebase Web API key: sign in anonymously, or with email=ADDR,password_file=FILE
+          -o auth_endpoint=URL origin of the token services (emulators, tests)
+          -o url_xattr=W     who may read user.storefs.download_url: owner (default), all, off
+          -o url_expiry=S    lifetime of signed download URLs in seconds (default 3600, at most 604800)
           -o cache_dir=DIR   block cache directory (default $XDG_CACHE_HOME/storefs, /var/cache/storefs for root)
           -o cache_size=SIZE hard cap of the block cache, e.g. 10G (default: 10G or half the free space, if less)
           -o block_size=SIZE cache block size, a power of two from 4K to 16M (default 256K)
@@ -128,21 +146,40 @@ public struct MountOptions: Sendable, Equatable {
         o.debug = debug
         if debug { o.logLevel = .debug }
 
-        var explicitEndpoint = false
+        var explicitProtocol = false
         for item in optionItems where !item.isEmpty {
             let (key, value) = keyValue(item)
             if value == nil && ignored.contains(key) { continue }
             if key.hasPrefix("x-systemd.") || key.hasPrefix("x-") || key.hasPrefix("comment=") { continue }
             switch key {
             case "endpoint":
-                let v = try require(key, value)
-                guard v.lowercased().hasPrefix("http://") || v.lowercased().hasPrefix("https://"), v.count > 8 else {
-                    throw ParseError(message: "endpoint=\(v) is not an http(s) URL: use e.g. endpoint=https://storage.googleapis.com")
-                }
-                o.endpoint = v
-                explicitEndpoint = true
+                o.endpoint = try url(key, value)
             case "anonymous": try flag(key, value); o.anonymous = true
             case "token_file": o.tokenFile = try require(key, value)
+            case "protocol":
+                let v = try require(key, value)
+                guard let p = StorageProtocol(rawValue: v.lowercased()) else {
+                    throw ParseError(message: "protocol=\(v) is not gcs or firebase")
+                }
+                o.storageProtocol = p
+                explicitProtocol = true
+            case "credentials": o.credentialsFile = try require(key, value)
+            case "api_key": o.apiKey = try require(key, value)
+            case "email": o.email = try require(key, value)
+            case "password_file": o.passwordFile = try require(key, value)
+            case "auth_endpoint": o.authEndpoint = try url(key, value)
+            case "url_xattr":
+                let v = try require(key, value)
+                guard let a = DownloadURL.Access(rawValue: v.lowercased()) else {
+                    throw ParseError(message: "url_xattr=\(v) is not owner, all or off")
+                }
+                o.urlAccess = a
+            case "url_expiry":
+                let v = try require(key, value)
+                guard let n = Int(v), (1...URLSigner.maxExpiry).contains(n) else {
+                    throw ParseError(message: "url_expiry=\(v) must be 1 to 604800 seconds (7 days)")
+                }
+                o.urlExpiry = n
             case "cache_dir": o.cacheDir = try require(key, value)
             case "cache_size": o.cacheSize = try size(key, value, min: 1 << 20)
             case "block_size":
@@ -179,12 +216,30 @@ public struct MountOptions: Sendable, Equatable {
                 throw ParseError(message: "unknown option '\(item)': see storefs --help for the options storefs accepts")
             }
         }
-        if !explicitEndpoint, let emulator = environment["STORAGE_EMULATOR_HOST"], !emulator.isEmpty {
-            o.endpoint = emulator.contains("://") ? emulator : "http://" + emulator
-            o.anonymous = true
+        // Emulator variables (protocol.md §3.3): the Firebase one selects the v0 protocol.
+        if o.endpoint == nil, let fb = environment["FIREBASE_STORAGE_EMULATOR_HOST"], !fb.isEmpty,
+           !explicitProtocol || o.storageProtocol == .firebase {
+            o.storageProtocol = .firebase
+            o.endpoint = fb.contains("://") ? fb : "http://" + fb
+        } else if o.endpoint == nil, o.storageProtocol == .gcs, let gcs = environment["STORAGE_EMULATOR_HOST"], !gcs.isEmpty {
+            o.endpoint = gcs.contains("://") ? gcs : "http://" + gcs
+            if o.tokenFile == nil && o.credentialsFile == nil { o.anonymous = true }
         }
-        if o.anonymous && o.tokenFile != nil {
-            throw ParseError(message: "anonymous and token_file= exclude each other: pick one")
+        let sources = [o.tokenFile != nil, o.credentialsFile != nil, o.apiKey != nil].filter { $0 }.count
+        if o.anonymous && sources > 0 {
+            throw ParseError(message: "anonymous excludes token_file=, credentials= and api_key=: pick one way to authenticate")
+        }
+        if sources > 1 {
+            throw ParseError(message: "token_file=, credentials= and api_key= exclude each other: pick one")
+        }
+        if (o.email != nil) != (o.passwordFile != nil) {
+            throw ParseError(message: "email= and password_file= go together (with api_key=)")
+        }
+        if o.email != nil && o.apiKey == nil {
+            throw ParseError(message: "email= sign-in needs the project's Web API key: add api_key=KEY")
+        }
+        if o.apiKey != nil && o.storageProtocol != .firebase {
+            throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")
         }
         return .mount(o)
     }
@@ -212,6 +267,19 @@ public struct MountOptions: Sendable, Equatable {
     private static func require(_ key: String, _ value: String?) throws(ParseError) -> String {
         guard let value, !value.isEmpty else { throw ParseError(message: "option \(key)= needs a value") }
         return value
+    }
+
+    private static func url(_ key: String, _ value: String?) throws(ParseError) -> String {
+        let v = try require(key, value)
+        guard v.lowercased().hasPrefix("http://") || v.lowercased().hasPrefix("https://"), v.count > 8 else {
+            throw ParseError(message: "\(key)=\(v) is not an http(s) URL such as https://storage.googleapis.com")
+        }
+        return v
+    }
+
+    /// The API origin in effect.
+    public var resolvedEndpoint: String {
+        endpoint ?? (storageProtocol == .gcs ? GCSJSONStore.defaultEndpoint : FirebaseV0Store.defaultEndpoint)
     }
 
     private static func flag(_ key: String, _ value: String?) throws(ParseError) {

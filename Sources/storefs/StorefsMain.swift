@@ -47,24 +47,22 @@ enum StorefsMain {
             return fail("mountpoint \(mountpoint) is not a directory")
         }
 
+        let env = ProcessInfoEnvironment.current()
         let http = HTTPClient(userAgent: "storefs/\(version)")
-        let credentials: Credentials
+        AuthLog.authSink = { message in Log.debug(message) }
+        let store: ObjectStore
+        let choice: CredentialChoice
         do {
-            if let file = o.tokenFile {
-                credentials = try TokenFileCredentials(path: file)
-            } else {
-                credentials = AnonymousCredentials()
+            choice = try CredentialChoice.resolve(o, environment: env, http: http)
+            Log.debug("credentials=\(choice.summary) protocol=\(o.storageProtocol.rawValue) endpoint=\(o.resolvedEndpoint)")
+            switch o.storageProtocol {
+            case .gcs:
+                store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
+                                         credentials: choice.credentials)
+            case .firebase:
+                store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
+                                            credentials: choice.credentials)
             }
-        } catch {
-            return fail(error.message)
-        }
-        if o.tokenFile == nil && !o.anonymous {
-            Log.debug("no credentials configured: sending anonymous requests (use token_file= for a private bucket)")
-        }
-
-        let store: GCSJSONStore
-        do {
-            store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.endpoint, http: http, credentials: credentials)
             // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
             // is reported here, at the prompt, not as EIO later.
             try store.checkAccess(prefix: o.source.rootListingPrefix)
@@ -72,10 +70,12 @@ enum StorefsMain {
             return fail(error.message)
         }
 
+        let urls = DownloadURL(tokenHost: o.storageProtocol == .firebase ? o.resolvedEndpoint : DownloadURL.firebaseHost,
+                               signer: choice.signer, access: o.urlAccess, ownerUID: getuid())
         let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
-                                       fileMode: o.fileMode, dirMode: o.dirMode)
-        let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: ProcessInfoEnvironment.current())
+                                       fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls)
+        let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: env)
         let cache: BlockCache
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
@@ -83,7 +83,7 @@ enum StorefsMain {
         } catch {
             return fail(error.message)
         }
-        let reader = BlockReader(store: store, cache: cache, endpoint: o.endpoint,
+        let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead, parallel: o.parallel,
                                                memoryLimit: o.memoryLimit))
         let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader)

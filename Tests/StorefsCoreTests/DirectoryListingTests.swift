@@ -52,11 +52,11 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
     @Test func firebaseTokenURLUsesTheFirstToken() {
         var m = object("images/a b+c.jpg")
         m.downloadTokens = ["tok-1", "tok-2"]
-        #expect(DownloadURL.forObject(m)
+        #expect(DownloadURL(ownerUID: 0).url(for: m)
             == "https://firebasestorage.googleapis.com/v0/b/b/o/images%2Fa%20b%2Bc.jpg?alt=media&token=tok-1")
     }
 
     @Test func publicURLKeepsSlashes() {
-        #expect(DownloadURL.forObject(object("images/a b#.jpg")) == "https://storage.googleapis.com/b/images/a%20b%23.jpg")
+        #expect(DownloadURL(ownerUID: 0).url(for: object("images/a b#.jpg")) == "https://storage.googleapis.com/b/images/a%20b%23.jpg")
     }
 }

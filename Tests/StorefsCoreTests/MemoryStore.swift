@@ -56,6 +56,12 @@ final class MemoryStore: ObjectStore {
         return ListPage(items: items, prefixes: prefixes.sorted(), nextPageToken: next)
     }
 
+    func hasChildren(prefix: String) throws(StorageError) -> Bool {
+        counts.withLock { $0.list += 1 }
+        try check()
+        return objects.withLock { $0.keys.contains { $0.hasPrefix(prefix) } }
+    }
+
     func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
         counts.withLock { $0.metadata += 1 }
         try check()

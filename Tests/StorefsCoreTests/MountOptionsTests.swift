@@ -46,7 +46,19 @@ import StorageClient
         (["-o", "log_level=loud", "b", "/m"], "log_level=loud is not one of"),
         (["-o", "anonymous=1", "b", "/m"], "option anonymous takes no value"),
         (["-o", "token_file=", "b", "/m"], "option token_file= needs a value"),
-        (["-o", "anonymous,token_file=/t", "b", "/m"], "exclude each other"),
+        (["-o", "anonymous,token_file=/t", "b", "/m"], "anonymous excludes"),
+        (["-o", "token_file=/t,credentials=/c", "b", "/m"], "exclude each other"),
+        (["-o", "api_key=k", "b", "/m"], "add protocol=firebase"),
+        (["-o", "protocol=firebase,api_key=k,email=a@b", "b", "/m"], "go together"),
+        (["-o", "protocol=firebase,email=a@b,password_file=/p", "b", "/m"], "needs the project's Web API key"),
+        (["-o", "protocol=s3", "b", "/m"], "is not gcs or firebase"),
+        (["-o", "url_xattr=some", "b", "/m"], "is not owner, all or off"),
+        (["-o", "url_expiry=604801", "b", "/m"], "1 to 604800"),
+        (["-o", "auth_endpoint=localhost:1", "b", "/m"], "is not an http(s) URL"),
+        (["-o", "block_size=3000", "b", "/m"], "too small"),
+        (["-o", "block_size=96K", "b", "/m"], "power of two"),
+        (["-o", "cache_size=lots", "b", "/m"], "is not a size"),
+        (["-o", "parallel=0", "b", "/m"], "from 1 to 64"),
         (["b"], "missing MOUNTPOINT"),
         ([], "missing SOURCE and MOUNTPOINT"),
         (["a", "b", "c"], "too many arguments"),
@@ -62,6 +74,26 @@ import StorageClient
             #expect(error.message.contains(fragment), "\(error.message)")
             #expect(!error.message.contains("\n"))
         }
+    }
+
+    @Test func firebaseProtocolAndItsEmulatorVariable() throws {
+        let o = try mount(["-o", "protocol=firebase,api_key=k,email=a@b.c,password_file=/p,auth_endpoint=http://127.0.0.1:9/,url_xattr=all,url_expiry=60", "b", "/m"])
+        #expect(o.storageProtocol == .firebase && o.apiKey == "k" && o.email == "a@b.c" && o.passwordFile == "/p")
+        #expect(o.resolvedEndpoint == "https://firebasestorage.googleapis.com" && o.urlAccess == .all && o.urlExpiry == 60)
+        let e = try mount(["b", "/m"], env: ["FIREBASE_STORAGE_EMULATOR_HOST": "127.0.0.1:9199"])
+        #expect(e.storageProtocol == .firebase && e.resolvedEndpoint == "http://127.0.0.1:9199")
+        let g = try mount(["b", "/m"], env: [:])
+        #expect(g.storageProtocol == .gcs && g.resolvedEndpoint == "https://storage.googleapis.com" && !g.anonymous)
+    }
+
+    @Test(arguments: [("512", Int64(512)), ("64K", 65536), ("64KiB", 65536), ("1.5M", 1_572_864), ("10G", 10 << 30), ("2t", 2 << 40)])
+    func sizes(text: String, bytes: Int64) {
+        #expect(MountOptions.parseSize(text) == bytes)
+    }
+
+    @Test func cacheOptions() throws {
+        let o = try mount(["-o", "cache_size=2G,block_size=1M,read_ahead=0,parallel=8,memory_limit=64M", "b", "/m"])
+        #expect(o.cacheSize == 2 << 30 && o.blockSize == 1 << 20 && o.readAhead == 0 && o.parallel == 8 && o.memoryLimit == 64 << 20)
     }
 
     @Test func helpAndVersion() throws {

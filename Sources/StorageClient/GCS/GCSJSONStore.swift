@@ -11,9 +11,7 @@ public final class GCSJSONStore: ObjectStore {
 
     public let bucket: String
     private let endpoint: String
-    private let http: HTTPClient
-    private let credentials: Credentials
-    private let retry: RetryPolicy
+    private let client: AuthorizedHTTP
 
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
@@ -21,13 +19,7 @@ public final class GCSJSONStore: ObjectStore {
         var e = endpoint
         while e.hasSuffix("/") { e.removeLast() }
         self.endpoint = e
-        self.http = http
-        self.credentials = credentials
-        self.retry = retry
-        if credentials.sendsSecrets && e.lowercased().hasPrefix("http://") && !Self.isLoopback(e) {
-            throw StorageError(.invalidArgument,
-                               "refusing to send credentials over plain http to \(e): use https, a loopback endpoint, or -o anonymous")
-        }
+        client = try AuthorizedHTTP(endpoint: e, http: http, credentials: credentials, retry: retry)
     }
 
     static func isLoopback(_ url: String) -> Bool {
@@ -45,32 +37,16 @@ public final class GCSJSONStore: ObjectStore {
 
     private var bucketPath: String { "\(endpoint)/storage/v1/b/\(ObjectName.encode(bucket))/o" }
 
-    private func headers(forceRefresh: Bool) throws(StorageError) -> [String] {
-        guard let auth = try credentials.authorization(forceRefresh: forceRefresh) else { return [] }
-        return ["Authorization: \(auth)"]
-    }
-
-    /// One authorised exchange, with a single forced credential refresh after a 401.
-    private func exchange(_ what: String, _ send: ([String]) throws(StorageError) -> HTTPResponse) throws(StorageError) -> HTTPResponse {
-        var response = try send(try headers(forceRefresh: false))
-        if response.status == 401 && credentials.sendsSecrets {
-            response = try send(try headers(forceRefresh: true))
-        }
-        guard (200..<300).contains(response.status) else {
-            throw StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
-        }
-        return response
+    private func listURL(prefix: String, pageToken: String?, maxResults: Int, fields: String) -> String {
+        var query: [(String, String)] = [("delimiter", "/"), ("maxResults", "\(maxResults)"), ("fields", fields)]
+        if !prefix.isEmpty { query.append(("prefix", prefix)) }
+        if let pageToken { query.append(("pageToken", pageToken)) }
+        return "\(bucketPath)?\(ObjectName.query(query))"
     }
 
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
-        var query: [(String, String)] = [("delimiter", "/"), ("maxResults", "\(Self.pageSize)"), ("fields", Self.listFields)]
-        if !prefix.isEmpty { query.append(("prefix", prefix)) }
-        if let pageToken { query.append(("pageToken", pageToken)) }
-        let url = "\(bucketPath)?\(ObjectName.query(query))"
-        let response = try retry.run { () throws(StorageError) -> HTTPResponse in
-            try exchange("list gs://\(bucket)/\(prefix)") { h throws(StorageError) in try http.get(url, headers: h) }
-        }
-        let json = try Self.jsonObject(response.body)
+        let url = listURL(prefix: prefix, pageToken: pageToken, maxResults: Self.pageSize, fields: Self.listFields)
+        let json = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)")
         var items: [ObjectMetadata] = []
         for case let item as [String: Any] in (json["items"] as? [Any]) ?? [] {
             items.append(try ObjectMetadata.parse(json: item, defaultBucket: bucket))
@@ -80,76 +56,37 @@ public final class GCSJSONStore: ObjectStore {
         return ListPage(items: items, prefixes: prefixes, nextPageToken: token)
     }
 
+    public func hasChildren(prefix: String) throws(StorageError) -> Bool {
+        let url = listURL(prefix: prefix, pageToken: nil, maxResults: 1, fields: "prefixes,items(name)")
+        let json = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)")
+        return !((json["items"] as? [Any]) ?? []).isEmpty || !((json["prefixes"] as? [Any]) ?? []).isEmpty
+    }
+
     public func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
-        let url = "\(bucketPath)/\(ObjectName.encode(name))"
-        let response = try retry.run { () throws(StorageError) -> HTTPResponse in
-            try exchange("metadata of gs://\(bucket)/\(name)") { h throws(StorageError) in try http.get(url, headers: h) }
-        }
-        return try ObjectMetadata.parse(json: try Self.jsonObject(response.body), defaultBucket: bucket)
+        let json = try client.getJSON("\(bucketPath)/\(ObjectName.encode(name))", what: "metadata of gs://\(bucket)/\(name)")
+        return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 
     public func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
                      isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         let url = "\(endpoint)/download/storage/v1/b/\(ObjectName.encode(bucket))/o/\(ObjectName.encode(name))"
             + "?alt=media&generation=\(generation)"
-        _ = try retry.run { () throws(StorageError) -> HTTPResponse in
-            do throws(StorageError) {
-                return try exchange("read gs://\(bucket)/\(name)") { h throws(StorageError) in
-                    try http.getRange(url, headers: h, start: offset, into: buffer, isCancelled: isCancelled)
-                }
-            } catch {
-                guard error.code == .notFound else { throw error }
-                // With generation= pinned, 404 means that generation is gone: the object changed.
-                throw StorageError(.generationChanged, "gs://\(bucket)/\(name) generation \(generation) is no longer current",
-                                   httpStatus: 404)
-            }
+        do throws(StorageError) {
+            _ = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: offset, into: buffer, isCancelled: isCancelled)
+        } catch {
+            guard error.code == .notFound else { throw error }
+            // With generation= pinned, 404 means that generation is gone: the object changed.
+            throw StorageError(.generationChanged, "gs://\(bucket)/\(name) generation \(generation) is no longer current",
+                               httpStatus: 404)
         }
     }
 
     public func checkAccess(prefix: String) throws(StorageError) {
-        var query: [(String, String)] = [("delimiter", "/"), ("maxResults", "1"), ("fields", "prefixes,nextPageToken,items(name)")]
-        if !prefix.isEmpty { query.append(("prefix", prefix)) }
-        let url = "\(bucketPath)?\(ObjectName.query(query))"
+        let url = listURL(prefix: prefix, pageToken: nil, maxResults: 1, fields: "prefixes,nextPageToken,items(name)")
         do throws(StorageError) {
-            _ = try RetryPolicy.startup.run { () throws(StorageError) -> HTTPResponse in
-                try exchange("list gs://\(bucket)/\(prefix)") { h throws(StorageError) in try http.get(url, headers: h) }
-            }
+            _ = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)", policy: .startup)
         } catch {
-            switch error.code {
-            case .notFound:
-                throw StorageError(.notFound, "bucket '\(bucket)' does not exist at \(endpoint)", httpStatus: error.httpStatus)
-            case .unauthenticated, .unauthorized:
-                throw StorageError(error.code,
-                                   "the credentials may not read gs://\(bucket)/\(prefix) (HTTP \(error.httpStatus ?? 0)): check token_file=, credentials= or the bucket's IAM",
-                                   httpStatus: error.httpStatus)
-            case .unreachable:
-                throw StorageError(.unreachable, "\(error.message): check endpoint= (or STORAGE_EMULATOR_HOST) and the network")
-            default:
-                throw error
-            }
+            throw AuthorizedHTTP.explainAccessError(error, bucket: bucket, prefix: prefix, endpoint: endpoint)
         }
-    }
-
-    static func jsonObject(_ body: [UInt8]) throws(StorageError) -> [String: Any] {
-        do {
-            guard let obj = try JSONSerialization.jsonObject(with: Data(body)) as? [String: Any] else {
-                throw StorageError(.invalidResponse, "expected a JSON object from the server")
-            }
-            return obj
-        } catch let e as StorageError {
-            throw e
-        } catch {
-            throw StorageError(.invalidResponse, "the server's answer is not JSON")
-        }
-    }
-
-    /// The human part of an error body (JSON `error.message`, or the first line of text).
-    static func errorMessage(_ response: HTTPResponse) -> String {
-        if let obj = try? JSONSerialization.jsonObject(with: Data(response.body)) as? [String: Any],
-           let err = obj["error"] as? [String: Any], let msg = err["message"] as? String {
-            return msg
-        }
-        let text = String(decoding: response.body.prefix(200), as: UTF8.self)
-        return text.split(separator: "\n").first.map(String.init) ?? "HTTP \(response.status)"
     }
 }

@@ -1,0 +1,68 @@
+import Foundation
+import Glibc
+import Synchronization
+
+/// A bearer-style token and when it stops being valid (wall clock, seconds since the epoch).
+public struct AccessToken: Sendable {
+    public var value: String
+    public var expiresAt: Double
+
+    public init(value: String, expiresAt: Double) {
+        self.value = value
+        self.expiresAt = expiresAt
+    }
+}
+
+func wallClock() -> Double {
+    var ts = timespec()
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
+}
+
+/// Credentials whose token comes from a token service and is renewed before it expires:
+/// about 5 minutes early (as the iOS SDK does) and once, forced, after a 401. One refresh at
+/// a time; concurrent callers wait for it instead of stampeding the token service.
+public final class RefreshingCredentials: Credentials {
+    public static let refreshMargin: Double = 300
+
+    private let scheme: String
+    private let fetch: @Sendable (_ previous: AccessToken?) throws(StorageError) -> AccessToken
+    private let current = Mutex<AccessToken?>(nil)
+    private let refreshing = NSLock()
+    /// What these credentials are, for messages ("service account x@y").
+    public let label: String
+
+    public init(scheme: String, label: String,
+                fetch: @escaping @Sendable (_ previous: AccessToken?) throws(StorageError) -> AccessToken) {
+        self.scheme = scheme
+        self.label = label
+        self.fetch = fetch
+    }
+
+    public var sendsSecrets: Bool { true }
+
+    public func authorization(forceRefresh: Bool) throws(StorageError) -> String? {
+        let seen = current.withLock { $0 }
+        if !forceRefresh, let seen, seen.expiresAt - wallClock() > Self.refreshMargin {
+            return "\(scheme) \(seen.value)"
+        }
+        refreshing.lock()
+        defer { refreshing.unlock() }
+        // Someone else may have refreshed while we waited for the lock.
+        let now = current.withLock { $0 }
+        if let now, now.value != seen?.value, now.expiresAt - wallClock() > Self.refreshMargin {
+            return "\(scheme) \(now.value)"
+        }
+        let fresh = try fetch(now)
+        current.withLock { $0 = fresh }
+        AuthLog.debugAuth("credentials=\(label) refreshed, valid for \(Int(fresh.expiresAt - wallClock()))s")
+        return "\(scheme) \(fresh.value)"
+    }
+}
+
+/// StorageClient has no logger of its own: the executable installs a sink for auth events
+/// (which never carry secrets).
+public enum AuthLog {
+    nonisolated(unsafe) public static var authSink: (@Sendable (String) -> Void)? = nil
+    static func debugAuth(_ message: String) { authSink?(message) }
+}

@@ -1,0 +1,88 @@
+import Foundation
+
+/// What both protocols share: credentials on every request (one forced refresh after a 401),
+/// retries with backoff, status → `StorageError`, and JSON bodies.
+struct AuthorizedHTTP: Sendable {
+    let http: HTTPClient
+    let credentials: Credentials
+    let retry: RetryPolicy
+
+    init(endpoint: String, http: HTTPClient, credentials: Credentials, retry: RetryPolicy) throws(StorageError) {
+        self.http = http
+        self.credentials = credentials
+        self.retry = retry
+        if credentials.sendsSecrets && endpoint.lowercased().hasPrefix("http://") && !GCSJSONStore.isLoopback(endpoint) {
+            throw StorageError(.invalidArgument,
+                               "refusing to send credentials over plain http to \(endpoint): use https, a loopback endpoint, or -o anonymous")
+        }
+    }
+
+    private func headers(forceRefresh: Bool) throws(StorageError) -> [String] {
+        guard let auth = try credentials.authorization(forceRefresh: forceRefresh) else { return [] }
+        return ["Authorization: \(auth)"]
+    }
+
+    /// One authorised exchange (no retries), refreshing the credentials once after a 401.
+    func exchange(_ what: String, _ send: ([String]) throws(StorageError) -> HTTPResponse) throws(StorageError) -> HTTPResponse {
+        var response = try send(try headers(forceRefresh: false))
+        if response.status == 401 && credentials.sendsSecrets {
+            response = try send(try headers(forceRefresh: true))
+        }
+        guard (200..<300).contains(response.status) else {
+            throw StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
+        }
+        return response
+    }
+
+    /// GET a JSON object, with retries.
+    func getJSON(_ url: String, what: String, policy: RetryPolicy? = nil) throws(StorageError) -> [String: Any] {
+        let response = try (policy ?? retry).run { () throws(StorageError) -> HTTPResponse in
+            try exchange(what) { h throws(StorageError) in try http.get(url, headers: h) }
+        }
+        return try Self.jsonObject(response.body)
+    }
+
+    /// Ranged GET into `buffer`, with retries.
+    func getRange(_ url: String, what: String, start: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                  isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> HTTPResponse {
+        try retry.run { () throws(StorageError) -> HTTPResponse in
+            try exchange(what) { h throws(StorageError) in
+                try http.getRange(url, headers: h, start: start, into: buffer, isCancelled: isCancelled)
+            }
+        }
+    }
+
+    static func jsonObject(_ body: [UInt8]) throws(StorageError) -> [String: Any] {
+        guard let obj = (try? JSONSerialization.jsonObject(with: Data(body))) as? [String: Any] else {
+            throw StorageError(.invalidResponse, "the server's answer is not a JSON object")
+        }
+        return obj
+    }
+
+    /// The human part of an error body (JSON `error.message`, or the first line of text).
+    static func errorMessage(_ response: HTTPResponse) -> String {
+        if let obj = try? JSONSerialization.jsonObject(with: Data(response.body)) as? [String: Any],
+           let err = obj["error"] as? [String: Any], let msg = err["message"] as? String {
+            return msg
+        }
+        let text = String(decoding: response.body.prefix(200), as: UTF8.self)
+        return text.split(separator: "\n").first.map(String.init) ?? "HTTP \(response.status)"
+    }
+
+    /// Start-up errors, reworded for the person at the prompt.
+    static func explainAccessError(_ error: StorageError, bucket: String, prefix: String, endpoint: String) -> StorageError {
+        switch error.code {
+        case .notFound:
+            return StorageError(.notFound, "bucket '\(bucket)' does not exist at \(endpoint)", httpStatus: error.httpStatus)
+        case .unauthenticated, .unauthorized:
+            if error.httpStatus == nil { return error }  // the token service said no: its message says why
+            return StorageError(error.code,
+                                "the credentials may not read gs://\(bucket)/\(prefix) (HTTP \(error.httpStatus ?? 0)): check token_file=, credentials=, api_key= or the bucket's rules/IAM",
+                                httpStatus: error.httpStatus)
+        case .unreachable:
+            return StorageError(.unreachable, "\(error.message): check endpoint= (or the emulator host variable) and the network")
+        default:
+            return error
+        }
+    }
+}

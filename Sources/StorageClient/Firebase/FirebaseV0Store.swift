@@ -1,0 +1,79 @@
+import Foundation
+
+/// The Firebase Storage v0 REST API (protocol.md §2): what the Firebase SDKs speak, checked by
+/// Security Rules. Listing items carry only names (`metadataComplete: false`), so sizes and
+/// times come from per-object metadata GETs. v0 reads may create a download token and bump
+/// `metageneration`; content identity is `generation` alone.
+public final class FirebaseV0Store: ObjectStore {
+    public static let defaultEndpoint = "https://firebasestorage.googleapis.com"
+
+    public let bucket: String
+    /// The mount's Firebase origin: download URLs are built on it.
+    public let endpoint: String
+    private let client: AuthorizedHTTP
+
+    public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
+                retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
+        self.bucket = bucket
+        var e = endpoint
+        while e.hasSuffix("/") { e.removeLast() }
+        self.endpoint = e
+        client = try AuthorizedHTTP(endpoint: e, http: http, credentials: credentials, retry: retry)
+    }
+
+    private var bucketPath: String { "\(endpoint)/v0/b/\(ObjectName.encode(bucket))/o" }
+
+    private func listURL(prefix: String, pageToken: String?, maxResults: Int?) -> String {
+        var query: [(String, String)] = [("prefix", prefix), ("delimiter", "/")]
+        if let maxResults { query.append(("maxResults", "\(maxResults)")) }
+        if let pageToken { query.append(("pageToken", pageToken)) }
+        return "\(bucketPath)?\(ObjectName.query(query))"
+    }
+
+    public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
+        // maxResults is left out on purpose, as listAll() does: the server picks the page size.
+        let json = try client.getJSON(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
+                                      what: "list gs://\(bucket)/\(prefix)")
+        var items: [ObjectMetadata] = []
+        for case let item as [String: Any] in (json["items"] as? [Any]) ?? [] {
+            guard let name = item["name"] as? String else { continue }
+            items.append(ObjectMetadata(name: name, bucket: (item["bucket"] as? String) ?? bucket, size: 0,
+                                        generation: 0, updated: Timestamp(seconds: 0)))
+        }
+        let prefixes = (json["prefixes"] as? [Any])?.compactMap { $0 as? String }.map { $0.hasSuffix("/") ? $0 : $0 + "/" } ?? []
+        let token = (json["nextPageToken"] as? String).flatMap { $0.isEmpty ? nil : $0 }
+        return ListPage(items: items, prefixes: prefixes, nextPageToken: token, metadataComplete: false)
+    }
+
+    public func hasChildren(prefix: String) throws(StorageError) -> Bool {
+        let json = try client.getJSON(listURL(prefix: prefix, pageToken: nil, maxResults: 1), what: "list gs://\(bucket)/\(prefix)")
+        // v0 hides the placeholder itself, and a page can be empty yet not the last (§2.4).
+        return !((json["items"] as? [Any]) ?? []).isEmpty || !((json["prefixes"] as? [Any]) ?? []).isEmpty
+            || json["nextPageToken"] as? String != nil
+    }
+
+    public func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
+        let json = try client.getJSON("\(bucketPath)/\(ObjectName.encode(name))", what: "metadata of gs://\(bucket)/\(name)")
+        return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
+    }
+
+    public func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                     isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+        // v0 has no generation parameter: the answer's x-goog-generation tells which one came.
+        let url = "\(bucketPath)/\(ObjectName.encode(name))?alt=media"
+        let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: offset, into: buffer,
+                                           isCancelled: isCancelled)
+        if let served = response.headers["x-goog-generation"].flatMap({ Int64($0) }), served != generation {
+            throw StorageError(.generationChanged, "gs://\(bucket)/\(name) changed (generation \(served), opened \(generation))")
+        }
+    }
+
+    public func checkAccess(prefix: String) throws(StorageError) {
+        do throws(StorageError) {
+            _ = try client.getJSON(listURL(prefix: prefix, pageToken: nil, maxResults: 1),
+                                   what: "list gs://\(bucket)/\(prefix)", policy: .startup)
+        } catch {
+            throw AuthorizedHTTP.explainAccessError(error, bucket: bucket, prefix: prefix, endpoint: endpoint)
+        }
+    }
+}

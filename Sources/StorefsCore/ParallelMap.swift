@@ -1,0 +1,45 @@
+import Foundation
+
+/// Runs a blocking function over many inputs, at most `width` at a time, on threads of our
+/// own (never Swift's two-thread cooperative pool): for the per-item metadata GETs of a v0 listing.
+enum ParallelMap {
+    static func run<T: Sendable, R: Sendable>(_ inputs: [T], width: Int, _ body: @escaping @Sendable (T) -> R) -> [R] {
+        if inputs.isEmpty { return [] }
+        let results = ResultSlots<R>(count: inputs.count)
+        let group = DispatchGroup()
+        let box = IndexBox(count: inputs.count)
+        for _ in 0..<min(max(1, width), inputs.count) {
+            group.enter()
+            let t = Thread {
+                while let i = box.claim() { results.set(i, body(inputs[i])) }
+                group.leave()
+            }
+            t.stackSize = 512 << 10
+            t.start()
+        }
+        group.wait()
+        return results.values
+    }
+
+    private final class IndexBox: @unchecked Sendable {
+        private let lock = NSLock()
+        private var next = 0
+        private let count: Int
+        init(count: Int) { self.count = count }
+        func claim() -> Int? {
+            lock.lock()
+            defer { lock.unlock() }
+            guard next < count else { return nil }
+            next += 1
+            return next - 1
+        }
+    }
+
+    private final class ResultSlots<R>: @unchecked Sendable {
+        private let lock = NSLock()
+        private var slots: [R?]
+        init(count: Int) { slots = Array(repeating: nil, count: count) }
+        func set(_ i: Int, _ v: R) { lock.lock(); slots[i] = v; lock.unlock() }
+        var values: [R] { lock.lock(); defer { lock.unlock() }; return slots.map { $0! } }
+    }
+}

@@ -1,0 +1,74 @@
+import Foundation
+import StorageClient
+import StorefsCore
+
+/// Picks the credentials a mount uses, in the order design.md and the issue give:
+/// `anonymous` → `token_file=` → `api_key=` (Firebase user) → `credentials=` /
+/// GOOGLE_APPLICATION_CREDENTIALS / gcloud's application-default file → the metadata server
+/// (GCE_METADATA_HOST, or metadata.google.internal when it answers) → none.
+struct CredentialChoice {
+    var credentials: Credentials
+    /// A service-account key, for V4 signed download URLs.
+    var signer: URLSigner?
+    var summary: String
+
+    static func resolve(_ o: MountOptions, environment env: [String: String], http: HTTPClient) throws(StorageError) -> CredentialChoice {
+        let services = TokenServices(authEndpoint: o.authEndpoint, http: http)
+        let firebase = o.storageProtocol == .firebase
+        if o.anonymous { return CredentialChoice(credentials: AnonymousCredentials(), summary: "anonymous") }
+        if let file = o.tokenFile {
+            let scheme = firebase ? "Firebase" : "Bearer"
+            return CredentialChoice(credentials: try TokenFileCredentials(path: file, scheme: scheme), summary: "token_file")
+        }
+        if let apiKey = o.apiKey {
+            var signIn = FirebaseUserCredentials.SignIn.anonymous
+            if let email = o.email, let passwordFile = o.passwordFile {
+                guard let data = FileManager.default.contents(atPath: passwordFile) else {
+                    throw StorageError(.invalidArgument, "password_file \(passwordFile) cannot be read")
+                }
+                var password = String(decoding: data, as: UTF8.self)
+                while password.hasSuffix("\n") || password.hasSuffix("\r") { password.removeLast() }
+                signIn = .password(email: email, password: password)
+            }
+            let c = FirebaseUserCredentials.make(apiKey: apiKey, signIn: signIn, services: services)
+            return CredentialChoice(credentials: c, summary: c.label)
+        }
+        var path = o.credentialsFile ?? env["GOOGLE_APPLICATION_CREDENTIALS"].flatMap { $0.isEmpty ? nil : $0 }
+        if path == nil {
+            let config = env["CLOUDSDK_CONFIG"] ?? ((env["HOME"] ?? "/root") + "/.config/gcloud")
+            let adc = config + "/application_default_credentials.json"
+            if FileManager.default.fileExists(atPath: adc) { path = adc }
+        }
+        if let path {
+            let file = try GoogleCredentials.load(path: path)
+            let c = GoogleCredentials.make(file, services: services)
+            var signer: URLSigner? = nil
+            if case .serviceAccount(let key) = file { signer = URLSigner(key: key, expiry: o.urlExpiry) }
+            return CredentialChoice(credentials: c, signer: signer, summary: c.label)
+        }
+        if let host = env["GCE_METADATA_HOST"] ?? env["GCE_METADATA_ROOT"], !host.isEmpty {
+            let c = GoogleCredentials.metadataServer(host: host, services: services)
+            return CredentialChoice(credentials: c, summary: c.label)
+        }
+        // An emulator on this machine needs nothing; otherwise try the metadata server, which
+        // exists only on Google Cloud (off it, its name does not even resolve).
+        if !isLoopback(o.resolvedEndpoint), metadataServerAnswers(http) {
+            let c = GoogleCredentials.metadataServer(host: "metadata.google.internal", services: services)
+            return CredentialChoice(credentials: c, summary: c.label)
+        }
+        return CredentialChoice(credentials: AnonymousCredentials(), summary: "none found (anonymous)")
+    }
+
+    static func isLoopback(_ url: String) -> Bool {
+        let lower = url.lowercased()
+        for prefix in ["http://localhost", "http://127.", "http://[::1]", "https://localhost", "https://127.", "https://[::1]"]
+            where lower.hasPrefix(prefix) { return true }
+        return false
+    }
+
+    private static func metadataServerAnswers(_ http: HTTPClient) -> Bool {
+        guard let r = try? http.get("http://metadata.google.internal/computeMetadata/v1/", headers: ["Metadata-Flavor: Google"],
+                                    limit: 1 << 16) else { return false }
+        return r.headers["metadata-flavor"] == "Google"
+    }
+}
