@@ -10,13 +10,6 @@ static int have_sse42 = 0;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void init_table(void);
-static void detect(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    have_sse42 = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-#endif
-    if (!have_sse42) init_table();
-}
 
 static void init_table(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -45,22 +38,128 @@ static uint32_t crc32c_soft(uint32_t crc, const uint8_t *p, size_t len) {
     return crc;
 }
 
+/* The crc32 instruction has a latency of 3 cycles but a throughput of 1: three independent
+ * streams keep it busy, and their CRCs are combined by "shifting" the earlier ones over the
+ * bytes that follow, with tables of the GF(2) operator that appends N zero bytes (the zlib
+ * crc32_combine idea, as in Mark Adler's crc32c). */
+#define LONG_RUN 8192
+#define SHORT_RUN 256
+static uint32_t zeros_long[4][256];
+static uint32_t zeros_short[4][256];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
+}
+
+/* Builds in `even` the GF(2) matrix that appends `len` zero bytes to a (pre-inverted) CRC:
+ * start from the one-zero-bit operator and square it up through the bits of len. */
+static void zeros_operator(uint32_t *even, size_t len) {
+    uint32_t odd[32];
+    odd[0] = 0x82F63B78u; /* one zero bit */
+    uint32_t row = 1;
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_square(even, odd); /* two zero bits */
+    gf2_square(odd, even); /* four zero bits */
+    do {
+        gf2_square(even, odd);
+        len >>= 1;
+        if (len == 0) return;
+        gf2_square(odd, even);
+        len >>= 1;
+    } while (len);
+    for (int n = 0; n < 32; n++) even[n] = odd[n];
+}
+
+static void zeros_table(uint32_t zeros[][256], size_t len) {
+    uint32_t op[32];
+    zeros_operator(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_times(op, n);
+        zeros[1][n] = gf2_times(op, n << 8);
+        zeros[2][n] = gf2_times(op, n << 16);
+        zeros[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+static uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+}
+
 #if defined(__x86_64__)
 __attribute__((target("sse4.2")))
 static uint32_t crc32c_hw(uint32_t crc, const uint8_t *p, size_t len) {
-    uint64_t c = crc;
+    uint64_t c0 = crc;
+    while (len >= 3 * LONG_RUN) {
+        uint64_t c1 = 0, c2 = 0;
+        const uint8_t *end = p + LONG_RUN;
+        do {
+            uint64_t a, b, d;
+            memcpy(&a, p, 8);
+            memcpy(&b, p + LONG_RUN, 8);
+            memcpy(&d, p + 2 * LONG_RUN, 8);
+            c0 = __builtin_ia32_crc32di(c0, a);
+            c1 = __builtin_ia32_crc32di(c1, b);
+            c2 = __builtin_ia32_crc32di(c2, d);
+            p += 8;
+        } while (p < end);
+        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * LONG_RUN;
+        len -= 3 * LONG_RUN;
+    }
+    while (len >= 3 * SHORT_RUN) {
+        uint64_t c1 = 0, c2 = 0;
+        const uint8_t *end = p + SHORT_RUN;
+        do {
+            uint64_t a, b, d;
+            memcpy(&a, p, 8);
+            memcpy(&b, p + SHORT_RUN, 8);
+            memcpy(&d, p + 2 * SHORT_RUN, 8);
+            c0 = __builtin_ia32_crc32di(c0, a);
+            c1 = __builtin_ia32_crc32di(c1, b);
+            c2 = __builtin_ia32_crc32di(c2, d);
+            p += 8;
+        } while (p < end);
+        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * SHORT_RUN;
+        len -= 3 * SHORT_RUN;
+    }
     while (len >= 8) {
         uint64_t v;
         memcpy(&v, p, 8);
-        c = __builtin_ia32_crc32di(c, v);
+        c0 = __builtin_ia32_crc32di(c0, v);
         p += 8;
         len -= 8;
     }
-    uint32_t c32 = (uint32_t)c;
+    uint32_t c32 = (uint32_t)c0;
     while (len--) c32 = __builtin_ia32_crc32qi(c32, *p++);
     return c32;
 }
 #endif
+
+static void detect(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    have_sse42 = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#endif
+    if (!have_sse42) init_table();
+    zeros_table(zeros_long, LONG_RUN);
+    zeros_table(zeros_short, SHORT_RUN);
+}
 
 uint32_t cchecksum_crc32c(uint32_t crc, const void *buf, size_t len) {
     pthread_once(&once, detect);
@@ -69,6 +168,13 @@ uint32_t cchecksum_crc32c(uint32_t crc, const void *buf, size_t len) {
     if (have_sse42) return ~crc32c_hw(crc, (const uint8_t *)buf, len);
 #endif
     return ~crc32c_soft(crc, (const uint8_t *)buf, len);
+}
+
+uint32_t cblockcache_crc32c_portable(uint32_t crc, const void *buf, size_t len) {
+    pthread_once(&once, detect);
+    static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+    pthread_once(&table_once, init_table);
+    return ~crc32c_soft(~crc, (const uint8_t *)buf, len);
 }
 
 void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]) {

@@ -46,9 +46,13 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     @Test func crc32cMatchesTheCastagnoliCheckValue() {
         let bytes = Array("123456789".utf8)
         #expect(bytes.withUnsafeBytes { Checksum.crc32c($0) } == 0xE306_9283)
-        let big = pattern(100_003)
-        let whole = big.withUnsafeBytes { Checksum.crc32c($0) }
-        #expect(whole != 0 && whole == big.withUnsafeBytes { Checksum.crc32c($0) })
+        // Lengths around the three-stream thresholds (3 × 256 and 3 × 8192 bytes) and odd tails.
+        var rng = SystemRandomNumberGenerator()
+        for length in [0, 1, 7, 8, 767, 768, 769, 24_575, 24_576, 24_577, 65_536, 100_003, 262_144, 1_048_583] {
+            let bytes = (0..<length).map { _ in UInt8.random(in: 0...255, using: &rng) }
+            let fast = bytes.withUnsafeBytes { Checksum.crc32c($0) }
+            #expect(fast == bytes.withUnsafeBytes { Checksum.crc32cPortable($0) }, "length \(length)")
+        }
     }
 }
 

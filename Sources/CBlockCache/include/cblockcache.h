@@ -9,6 +9,8 @@
 
 /* CRC32C (Castagnoli) of buf, continuing from crc (pass 0 to start). */
 uint32_t cchecksum_crc32c(uint32_t crc, const void *buf, size_t len);
+/* The same CRC without the SSE4.2 instruction (tests compare the two). */
+uint32_t cblockcache_crc32c_portable(uint32_t crc, const void *buf, size_t len);
 /* SHA-256 of buf into out[32]. */
 void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]);
 /* Frees the disk space of [offset, offset+len) keeping the file size (FALLOC_FL_PUNCH_HOLE). 0 or -1/errno. */

@@ -6,6 +6,11 @@ enum Checksum {
         cchecksum_crc32c(0, bytes.baseAddress, bytes.count)
     }
 
+    /// The table-driven software CRC (what CPUs without SSE4.2 use); tests compare the two.
+    static func crc32cPortable(_ bytes: UnsafeRawBufferPointer) -> UInt32 {
+        cblockcache_crc32c_portable(0, bytes.baseAddress, bytes.count)
+    }
+
     static func sha256(_ bytes: [UInt8]) -> [UInt8] {
         var out = [UInt8](repeating: 0, count: 32)
         bytes.withUnsafeBytes { src in out.withUnsafeMutableBufferPointer { cchecksum_sha256(src.baseAddress, src.count, $0.baseAddress) } }
