@@ -11,6 +11,18 @@
 - `proxy` (function): a ForbiddingProxy in front of the emulator (403 under `private/`,
   request counts by kind in `proxy.counts`, `proxy.log`).
 
+Firebase v0 and credentials (firebase_fixture.py, auth_fixture.py):
+- `auth_server` (function): an AuthServer (Identity Toolkit, Secure Token, OAuth2 token and
+  GCE metadata endpoints on one loopback port); storefs reaches it via `auth_endpoint=` and
+  `GCE_METADATA_HOST`.
+- `firebase` (function): a FirebaseStorageServer (v0 REST) over the `emulator`, verifying
+  tokens with `auth_server`; rules default to everything public.
+- `gcs_auth_proxy` (function): 401 unless a Bearer token `auth_server` issued, then forwards
+  to the emulator.
+- `bare_mount` (function): like `mount`, but nothing implicit (no `anonymous`, no endpoint,
+  a clean environment whose proxy variables trap non-loopback requests in
+  `auth_server.escapes`); fails the test at teardown if any request tried to leave loopback.
+
 Nothing here skips: a missing prerequisite is a failure.
 """
 
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import pytest
 
+from firebase_fixture import FirebaseStorageServer
 from gcs_emulator import GCSEmulator
 from storefs_testlib import BUCKET, Corpus, ForbiddingProxy, MountManager, require_fuse, storefs_bin as _bin
 
@@ -65,3 +78,48 @@ def proxy(emulator):
     p.start()
     yield p
     p.stop()
+
+
+def _auth_fixture():
+    """auth_fixture needs `cryptography`; only the tests that use it fail without it."""
+    try:
+        import auth_fixture
+    except ImportError as exc:
+        pytest.fail(f"auth_fixture cannot be imported ({exc}); run scripts/install-deps",
+                    pytrace=False)
+    return auth_fixture
+
+
+@pytest.fixture
+def auth_server():
+    a = _auth_fixture().AuthServer()
+    a.start()
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def firebase(emulator, auth_server):
+    fb = FirebaseStorageServer(emulator, auth_server)
+    fb.start()
+    yield fb
+    fb.stop()
+
+
+@pytest.fixture
+def gcs_auth_proxy(emulator, auth_server):
+    p = _auth_fixture().GCSAuthProxy(emulator.endpoint, auth_server)
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def bare_mount(storefs_bin, auth_server):
+    manager = _auth_fixture().ExplicitMountManager(storefs_bin, trap=auth_server.endpoint)
+    yield manager
+    problems = manager.close()
+    if auth_server.escapes:
+        problems.append("storefs tried to leave loopback: " + ", ".join(auth_server.escapes))
+    if problems:
+        pytest.fail("bare_mount cleanup: " + "; ".join(problems), pytrace=False)
