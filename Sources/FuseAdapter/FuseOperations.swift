@@ -156,6 +156,44 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
+    ops.readdirplus = { req, _, size, off, fi in
+        let fs = context(req).fs
+        let handle = fi!.pointee.fh
+        do {
+            let entries = try fs.readDirectory(handle, from: Int(off))
+            var buffer = [CChar](repeating: 0, count: size)
+            var used = 0
+            try buffer.withUnsafeMutableBufferPointer { out in
+                for e in entries {
+                    var param = fuse_entry_param()
+                    let listed = try fs.lookupListed(handle, at: e.nextOffset - 1)
+                    if let listed {
+                        param.ino = fuse_ino_t(listed.inode)
+                        param.generation = 1
+                        param.attr = makeStat(listed)
+                        param.attr_timeout = fs.config.statTTL
+                        param.entry_timeout = fs.config.statTTL
+                    } else {
+                        param.attr.st_ino = __ino_t(e.inode)
+                        param.attr.st_mode = S_IFDIR
+                    }
+                    let need = fuse_add_direntry_plus(req, out.baseAddress! + used, size - used, e.name, &param, off_t(e.nextOffset))
+                    if used + need > size {
+                        // Not sent, so not a reference the kernel holds.
+                        if let listed { fs.forget(listed.inode, count: 1) }
+                        break
+                    }
+                    used += need
+                }
+            }
+            _ = fuse_reply_buf(req, buffer, used)
+        } catch let e as FilesystemError {
+            reply(req, e)
+        } catch {
+            _ = fuse_reply_err(req, EIO)
+        }
+    }
+
     ops.releasedir = { req, _, fi in
         context(req).fs.release(fi!.pointee.fh)
         _ = fuse_reply_err(req, 0)

@@ -194,26 +194,43 @@ public final class Filesystem: Sendable {
     public func openDirectory(_ inode: UInt64) throws(FilesystemError) -> UInt64 {
         let path = try directoryPath(inode)
         let listing = try fullListing(path)
-        var entries: [(String, FileAttributes.Kind, UInt64)] = [(".", .directory, inode), ("..", .directory, inode)]
+        var entries: [Handles.Listed] = [
+            .init(name: ".", kind: .directory, inode: inode, entry: nil),
+            .init(name: "..", kind: .directory, inode: inode, entry: nil),
+        ]
         let known = table.withLock { t in listing.entries.keys.reduce(into: [String: UInt64]()) { acc, name in
             if let ino = t.byPath[Self.join(path, name)] { acc[name] = ino }
         } }
         for name in listing.sortedNames {
-            let kind: FileAttributes.Kind = listing.entries[name] == .directory ? .directory : .file
-            entries.append((name, kind, known[name] ?? Self.syntheticInode(Self.join(path, name))))
+            let entry = listing.entries[name]!
+            let kind: FileAttributes.Kind = entry == .directory ? .directory : .file
+            entries.append(.init(name: name, kind: kind, inode: known[name] ?? Self.syntheticInode(Self.join(path, name)), entry: entry))
         }
-        return handles.withLock { $0.add(.directory(entries)) }
+        return handles.withLock { $0.add(.directory(path: path, entries: entries)) }
     }
 
     /// Entries of an open directory from `offset` on (offsets are positions in the snapshot).
     public func readDirectory(_ handle: UInt64, from offset: Int) throws(FilesystemError) -> ArraySlice<DirectoryEntry> {
-        guard case .directory(let entries)? = handles.withLock({ $0.open[handle] }) else {
-            throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
-        }
+        let (_, entries) = try directorySnapshot(handle)
         guard offset < entries.count else { return [] }
         return entries[max(0, offset)...].enumerated().map { i, e in
-            DirectoryEntry(name: e.0, inode: e.2, kind: e.1, nextOffset: max(0, offset) + i + 1)
+            DirectoryEntry(name: e.name, inode: e.inode, kind: e.kind, nextOffset: max(0, offset) + i + 1)
         }[...]
+    }
+
+    /// readdirplus: the attributes of entry `offset` of an open directory, counted as a lookup
+    /// (the kernel then needs no LOOKUP per name: `ls -l` costs the one listing). nil for `.`/`..`.
+    public func lookupListed(_ handle: UInt64, at offset: Int) throws(FilesystemError) -> FileAttributes? {
+        let (path, entries) = try directorySnapshot(handle)
+        guard offset >= 0, offset < entries.count, let entry = entries[offset].entry else { return nil }
+        return register(path: Self.join(path, entries[offset].name), entry: entry, countLookup: true)
+    }
+
+    private func directorySnapshot(_ handle: UInt64) throws(FilesystemError) -> (String, [Handles.Listed]) {
+        guard case .directory(let path, let entries)? = handles.withLock({ $0.open[handle] }) else {
+            throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
+        }
+        return (path, entries)
     }
 
     public func release(_ handle: UInt64) {
@@ -384,6 +401,8 @@ public final class Filesystem: Sendable {
     }
 
     public func extendedAttribute(_ inode: UInt64, name: String, requester uid: UInt32 = 0) throws(FilesystemError) -> [UInt8] {
+        // ls -l asks every file for security.selinux and POSIX ACLs: answer those without work.
+        guard name.hasPrefix(Self.xattrPrefix) else { throw FilesystemError(.noAttribute, "no attribute \(name)") }
         if name == Self.downloadURLAttribute, try isFile(inode) {
             switch config.downloadURL.access {
             case .off: throw FilesystemError(.noAttribute, "download_url is turned off (url_xattr=off)")
@@ -451,9 +470,17 @@ struct OpenFile {
 }
 
 struct Handles {
+    struct Listed {
+        var name: String
+        var kind: FileAttributes.Kind
+        var inode: UInt64
+        /// What the listing said (nil for `.` and `..`).
+        var entry: DirectoryListing.Entry?
+    }
+
     enum Open {
         case file(OpenFile)
-        case directory([(String, FileAttributes.Kind, UInt64)])
+        case directory(path: String, entries: [Listed])
     }
 
     var open: [UInt64: Open] = [:]

@@ -18,7 +18,7 @@ public final class BlockReader: Sendable {
         public var partSize: Int64
         public var memoryLimit: Int64
 
-        public init(blockSize: Int = 256 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
+        public init(blockSize: Int = 64 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
                     partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20) {
             self.blockSize = blockSize
             self.readAhead = readAhead
