@@ -83,6 +83,7 @@ public final class BlockReader: Sendable {
     }
 
     func closeStream(_ stream: Stream) {
+        dropFinished(of: stream.meta)
         if let c = stream.cached { cache?.release(c) }
     }
 
@@ -96,7 +97,6 @@ public final class BlockReader: Sendable {
     /// Never touches the network: safe on a FUSE thread.
     func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
         observe(stream, offset: offset, count: dst.count)
-        guard let cached = stream.cached else { return false }
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
@@ -104,10 +104,46 @@ public final class BlockReader: Sendable {
             let inBlock = Int(pos - Int64(block) * Int64(blockSize))
             let take = Int(min(end - pos, Int64(blockLength(stream.meta, block) - inBlock)))
             let out = UnsafeMutableRawBufferPointer(rebasing: dst[Int(pos - offset)..<(Int(pos - offset) + take)])
-            guard cached.read(block: block, from: inBlock, into: out) else { return false }
+            if copyFromFinishedFlight(stream, block: block, inBlock: inBlock, into: out) {
+                pos += Int64(take)
+                continue
+            }
+            guard let cached = stream.cached, cached.read(block: block, from: inBlock, into: out) else { return false }
             pos += Int64(take)
         }
         return true
+    }
+
+    /// A sequential reader usually arrives just after its read-ahead landed: it copies from the
+    /// download's buffer (no disk read, no second CRC pass). The download is let go once its
+    /// last block has been read.
+    private func copyFromFinishedFlight(_ stream: Stream, block: Int, inBlock: Int, into out: UnsafeMutableRawBufferPointer) -> Bool {
+        let key = FlightKey(object: stream.meta.name, generation: stream.meta.generation, block: block)
+        guard let flight = flights.withLock({ $0[key] }), case .success? = flight.finished else { return false }
+        let at = (block - flight.firstBlock) * blockSize + inBlock
+        out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + out.count)]))
+        if block == flight.lastBlock && inBlock + out.count == blockLength(stream.meta, block) {
+            forget(flight, stream.meta)
+        }
+        return true
+    }
+
+    private func forget(_ flight: Flight, _ meta: ObjectMetadata) {
+        flights.withLock { f in
+            for k in flight.firstBlock...flight.lastBlock {
+                let key = FlightKey(object: meta.name, generation: meta.generation, block: k)
+                if f[key] === flight { f.removeValue(forKey: key) }
+            }
+        }
+    }
+
+    /// Lets go of finished read-ahead nobody has read yet (memory budget pressure, close).
+    private func dropFinished(of meta: ObjectMetadata? = nil) {
+        flights.withLock { f in
+            for (key, flight) in f where flight.finished != nil && (meta == nil || (key.object == meta!.name && key.generation == meta!.generation)) {
+                f.removeValue(forKey: key)
+            }
+        }
     }
 
     /// Serves the read, downloading what is missing. `observed` is true when `readCached`
@@ -137,6 +173,7 @@ public final class BlockReader: Sendable {
             case .success:
                 let at = (block - flight.firstBlock) * blockSize + inBlock
                 out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + take)]))
+                if block == flight.lastBlock { forget(flight, meta) }
                 pos += Int64(take)
             case .failure(let error):
                 // Someone else's download was cancelled: make our own on the next turn.
@@ -198,7 +235,10 @@ public final class BlockReader: Sendable {
             }
             let start = Int64(b) * Int64(blockSize)
             let length = Int(min(meta.size, Int64(end + 1) * Int64(blockSize)) - start)
-            guard budget.tryAcquire(Int64(length)) else { return }
+            if !budget.tryAcquire(Int64(length)) {
+                dropFinished()
+                guard budget.tryAcquire(Int64(length)) else { return }
+            }
             let flight = Flight(firstBlock: b, blockCount: end - b + 1, start: start, length: length, budget: budget, pool: buffers)
             let registered: Bool = flights.withLock { f in
                 for k in b...end where f[FlightKey(object: meta.name, generation: meta.generation, block: k)] != nil { return false }
@@ -229,13 +269,17 @@ public final class BlockReader: Sendable {
         } catch {
             result = .failure(error)
         }
-        flights.withLock { f in
-            for k in flight.firstBlock..<(flight.firstBlock + flight.blockCount) {
-                let key = FlightKey(object: meta.name, generation: meta.generation, block: k)
-                if f[key] === flight { f.removeValue(forKey: key) }
-            }
-        }
+        // A download that succeeded stays registered until a reader has copied its last block
+        // (or memory runs short); a failed one goes now, so the next reader tries afresh.
+        if !result.isSuccess { forget(flight, meta) }
         flight.finish(result)
+    }
+}
+
+extension Result {
+    var isSuccess: Bool {
+        if case .success = self { return true }
+        return false
     }
 }
 

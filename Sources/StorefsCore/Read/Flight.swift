@@ -33,6 +33,15 @@ final class Flight: @unchecked Sendable {
 
     func contains(block: Int) -> Bool { block >= firstBlock && block < firstBlock + blockCount }
 
+    var lastBlock: Int { firstBlock + blockCount - 1 }
+
+    /// The outcome if the download has finished; never waits.
+    var finished: Result<Void, StorageError>? {
+        condition.lock()
+        defer { condition.unlock() }
+        return outcome
+    }
+
     func finish(_ result: Result<Void, StorageError>) {
         condition.lock()
         outcome = result

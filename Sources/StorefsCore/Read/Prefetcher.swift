@@ -1,6 +1,6 @@
 /// Per-open-file detection of sequential reading and the size of the read-ahead window.
 ///
-/// A read that starts near where the previous one ended extends a streak. Once a streak is
+/// A read that starts where the previous one ended (or, for a large read, near it) extends a streak. Once a streak is
 /// established (two sequential reads, or one large one — the kernel's own readahead sends
 /// 128 KiB to 1 MiB requests for sequential buffered reads) the window opens at one part and
 /// doubles on every read up to `read_ahead`. Anything else resets it: random access gets no
@@ -28,7 +28,10 @@ struct Prefetcher {
     /// Records a read of `count` bytes at `offset`; returns the byte range to fetch ahead, if any.
     mutating func observe(offset: Int64, count: Int, size: Int64) -> Range<Int64>? {
         let end = offset + Int64(count)
-        let near = abs(offset - expected) <= Self.tolerance
+        // Exactly where the last read ended, or close to it for the large requests of kernel
+        // readahead (which can arrive slightly out of order). Small reads that merely land
+        // nearby are random access in a small file, not a stream.
+        let near = offset == expected || (count >= Self.largeRead && abs(offset - expected) <= Self.tolerance)
         let startOfFile = offset == 0 && expected == Int64.min / 2
         expected = max(expected, end)
         if !near && !startOfFile {
