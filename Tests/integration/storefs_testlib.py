@@ -328,6 +328,10 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             else:
                 self.wfile.write(chunk)
+        # read1() does not close a response whose Content-Length it has used up, and
+        # http.client refuses the next request's response on this keep-alive connection
+        # until it is closed ("ResponseNotReady: Request-sent").
+        resp.close()
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
 
