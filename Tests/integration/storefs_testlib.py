@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -158,6 +159,7 @@ class ProxyRequest:
     prefix: str | None   # decoded prefix (list)
     query: dict[str, list[str]]
     status: int = 0
+    range: str | None = None   # the Range header, if any
 
 
 def classify(method: str, target: str) -> ProxyRequest:
@@ -187,6 +189,8 @@ class ForbiddingProxy:
         self.upstream = upstream
         self.denied_prefix = denied_prefix
         self.media_delay = 0.0
+        self.media_bytes = 0                     # body bytes of media responses sent to storefs
+        self._live: set[socket.socket] = set()   # client connections being served
         self.started: Counter[str] = Counter()   # by kind, counted on arrival
         self.counts: Counter[str] = Counter()    # by kind (+ "denied"), counted once answered
         self.log: list[ProxyRequest] = []
@@ -217,6 +221,30 @@ class ForbiddingProxy:
             self._server.server_close()
             self._server = None
 
+    def cut(self) -> None:
+        """The server goes away: stop listening and drop every open connection too.
+
+        `stop()` alone leaves keep-alive connections served by their handler threads, so a
+        client with pooled connections would not notice; after `cut()` it sees resets and then
+        refused connections.
+        """
+        self.stop()
+        with self._lock:
+            live = list(self._live)
+        for sock in live:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def track(self, sock: socket.socket, alive: bool) -> None:
+        with self._lock:
+            (self._live.add if alive else self._live.discard)(sock)
+
+    def add_media_bytes(self, n: int) -> None:
+        with self._lock:
+            self.media_bytes += n
+
     # -------------------------------------------------------------- queries
     def arrived(self, req: ProxyRequest) -> None:
         with self._lock:
@@ -238,6 +266,7 @@ class ForbiddingProxy:
             self.counts.clear()
             self.started.clear()
             self.log.clear()
+            self.media_bytes = 0
 
     def denies(self, req: ProxyRequest) -> bool:
         if req.kind in ("metadata", "media"):
@@ -254,7 +283,12 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # quiet
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        self.owner.track(self.connection, True)
+
     def finish(self) -> None:
+        self.owner.track(self.connection, False)
         super().finish()
         conn = getattr(self, "_conn", None)
         if conn is not None:
@@ -269,6 +303,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         req = classify(self.command, self.path)
+        req.range = self.headers.get("Range")
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         self.owner.arrived(req)
@@ -310,6 +345,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            if req.kind == "media":
+                self.owner.add_media_bytes(len(data))
             return
         for k, v in out_headers:
             self.send_header(k, v)
@@ -328,6 +365,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             else:
                 self.wfile.write(chunk)
+            if req.kind == "media":
+                self.owner.add_media_bytes(len(chunk))
         # read1() does not close a response whose Content-Length it has used up, and
         # http.client refuses the next request's response on this keep-alive connection
         # until it is closed ("ResponseNotReady: Request-sent").
