@@ -494,7 +494,8 @@ class MountManager:
     """The `mount` fixture: starts storefs instances and always cleans them up.
 
     Call it: `m = mount(source="test-bucket", options=["stat_ttl=5"], endpoint=None,
-    foreground=True, mountpoint=None, cwd=None)`. Teardown unmounts every instance
+    foreground=True, mountpoint=None, cwd=None, cache_dir=None)` (cache_dir: reuse an
+    earlier mount's `m.cache_dir`; default a fresh empty one). Teardown unmounts every instance
     (fusermount3 -u, wait by pid up to 10 s, SIGKILL by pid, umount -l if still listed).
     A watchdog kills this test's storefs processes after WATCHDOG_S so a hung FUSE call
     fails the test instead of hanging the suite.
@@ -529,11 +530,11 @@ class MountManager:
 
     def __call__(self, source: str = BUCKET, *, options=(), endpoint: str | None = None,
                  foreground: bool = True, mountpoint: str | None = None,
-                 cwd: str | None = None, preexec_fn=None) -> Mount:
+                 cwd: str | None = None, preexec_fn=None, cache_dir: str | None = None) -> Mount:
         mnt = mountpoint or self.new_dir("mnt")
         abs_mnt = os.path.normpath(os.path.join(cwd or os.getcwd(), mnt))
         argv, cache_dir = self.argv(source, mnt, endpoint=endpoint, options=options,
-                                    foreground=foreground)
+                                    foreground=foreground, cache_dir=cache_dir)
         err_path = os.path.join(self.tmp, f"stderr{len(self.mounts)}.txt")
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
