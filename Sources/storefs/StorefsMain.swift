@@ -38,7 +38,14 @@ enum StorefsMain {
         Log.configure(level: o.logLevel)
         // fuse_daemonize() chdirs to "/": an absolute mountpoint is needed to unmount later.
         guard let resolved = realpath(o.mountpoint, nil) else {
-            return fail("mountpoint \(o.mountpoint): \(String(cString: strerror(errno))) (create it with mkdir -p)")
+            let err = errno
+            if err == ENOTCONN {
+                return fail("mountpoint \(o.mountpoint) is a dead FUSE mount (its daemon was killed): run fusermount3 -u \(o.mountpoint), then mount again")
+            }
+            if err == ENOENT {
+                return fail("mountpoint \(o.mountpoint) does not exist: create it with mkdir -p \(o.mountpoint)")
+            }
+            return fail("mountpoint \(o.mountpoint): \(String(cString: strerror(err)))")
         }
         let mountpoint = String(cString: resolved)
         free(resolved)
