@@ -39,6 +39,7 @@ import json
 import os
 import re
 import secrets as _secrets
+import socket
 import threading
 import time
 import urllib.parse
@@ -700,6 +701,10 @@ class _AuthHandler(http.server.BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # quiet
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms stalls
+
     def _send(self, status: int, body, content_type: str = "application/json; charset=UTF-8",
               extra: dict[str, str] | None = None) -> None:
         data = body if isinstance(body, bytes) else (
@@ -868,6 +873,10 @@ class GCSAuthProxy(ForbiddingProxy):
 
 class _AuthCheckingHandler(_ProxyHandler):
     owner: GCSAuthProxy
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms stalls
 
     def _handle(self) -> None:
         header = self.headers.get("Authorization") or ""

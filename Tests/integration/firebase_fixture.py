@@ -46,6 +46,7 @@ import http.client
 import http.server
 import json
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -144,6 +145,7 @@ class FirebaseStorageServer:
         self.media_bytes = 0
         self._faults: list[_Fault] = []
         self._bumps: dict[tuple[str, str, str], tuple[int, str]] = {}
+        self._created: dict[tuple[str, str, str], str] = {}   # token made here, per generation
         self._object_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -371,28 +373,34 @@ class FirebaseStorageServer:
             return self._object_locks.setdefault((bucket, name), threading.Lock())
 
     def ensure_token(self, bucket: str, res: dict) -> dict:
-        """Token creation on read (§2.2, §7.5); returns the (possibly updated) GCS resource."""
+        """Token creation on read (§2.2, §7.5); returns the GCS resource with the token.
+
+        One PATCH per (object, generation); concurrent readers of the same token-less object
+        share the one token (the first creates it under a per-object lock).
+        """
         if not self.create_tokens or (res.get("metadata") or {}).get(TOKENS_KEY):
             return res
         name = res["name"]
+        key = (bucket, name, str(res["generation"]))
         with self._object_lock(bucket, name):
-            fresh = self._gcs_object(bucket, name)
-            if fresh is None or (fresh.get("metadata") or {}).get(TOKENS_KEY):
-                return fresh or res
-            token = str(uuid.uuid4())
-            status, _, data = self._upstream(
-                "PATCH", f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}",
-                json.dumps({"metadata": {TOKENS_KEY: token}}).encode(),
-                {"Content-Type": "application/json"})
-            if status != 200:
-                raise RuntimeError(f"fake-gcs PATCH {bucket}/{name}: HTTP {status} {data[:200]!r}")
-            key = (bucket, name, str(fresh["generation"]))
             with self._lock:
-                n, _ = self._bumps.get(key, (0, ""))
-                self._bumps[key] = (n + 1, now_timestamp())
-                self.counts["tokens_created"] += 1
-            after = self._gcs_object(bucket, name)
-            return after or fresh
+                token = self._created.get(key)
+            if token is None:
+                token = str(uuid.uuid4())
+                status, _, data = self._upstream(
+                    "PATCH", f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}",
+                    json.dumps({"metadata": {TOKENS_KEY: token}}).encode(),
+                    {"Content-Type": "application/json"})
+                if status != 200:
+                    raise RuntimeError(f"fake-gcs PATCH {bucket}/{name}: HTTP {status} {data[:200]!r}")
+                with self._lock:
+                    self._created[key] = token
+                    n, _ = self._bumps.get(key, (0, ""))
+                    self._bumps[key] = (n + 1, now_timestamp())
+                    self.counts["tokens_created"] += 1
+        out = dict(res)
+        out["metadata"] = {**(res.get("metadata") or {}), TOKENS_KEY: token}
+        return out
 
     def _to_v0(self, res: dict) -> dict:
         bucket, name, gen = res["bucket"], res["name"], str(res["generation"])
@@ -463,6 +471,12 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # quiet
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body leave in separate writes: without this, Nagle + delayed ACK stall
+        # every keep-alive response by ~40 ms and the fixture, not storefs, sets the pace.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     # -------------------------------------------------------------- responses
     def _send(self, status: int, body, content_type: str = "application/json; charset=utf-8",
               extra: dict[str, str] | None = None) -> None:
@@ -473,6 +487,7 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         for k, v in (extra or {}).items():
             self.send_header(k, v)
+        self._release()
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -514,6 +529,7 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
             self.rfile.read(length)
         req, query = self._classify()
         fb._track(req.kind, +1)
+        self._inflight_kind = req.kind
         try:
             self._answer(req, query)
         except (BrokenPipeError, ConnectionResetError):
@@ -526,8 +542,15 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
             except OSError:
                 pass
         finally:
-            fb._track(req.kind, -1)
+            self._release()
             fb._record(req)
+
+    def _release(self) -> None:
+        """Ends this request's in-flight time (once): before its last bytes go out, so the
+        client's next request never overlaps it in `max_inflight`."""
+        kind, self._inflight_kind = getattr(self, "_inflight_kind", None), None
+        if kind is not None:
+            self.fb._track(kind, -1)
 
     def _answer(self, req: V0Request, query: dict[str, str]) -> None:
         fb = self.fb
