@@ -566,15 +566,17 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
         if req.kind == "other":
             req.status = 404
             return self._send(404, "Not Found", "text/plain; charset=utf-8")
+        try:                 # parsed first so that faulted requests are logged with it too
+            principal, auth_error = fb.authenticate(self.headers.get("Authorization"), req), None
+        except PermissionError as exc:
+            principal, auth_error = None, exc
         fault = fb.take_fault(req.kind)
         if fault is not None:
             req.status, req.reason = fault.status, "injected fault"
             extra = {"Retry-After": fault.retry_after} if fault.retry_after else None
             return self._error(fault.status, f"injected {fault.status} (test fault)", extra)
-        try:
-            principal = fb.authenticate(self.headers.get("Authorization"), req)
-        except PermissionError as exc:
-            req.status, req.reason = 401, str(exc)
+        if auth_error is not None:
+            req.status, req.reason = 401, str(auth_error)
             return self._error(401, "Unauthenticated: the credential is invalid or expired.",
                                {"WWW-Authenticate": 'Firebase realm="firebasestorage"'})
         if req.kind == "list":
