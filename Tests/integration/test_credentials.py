@@ -336,6 +336,41 @@ def test_401_forces_one_refresh_then_succeeds(bare_mount, firebase, auth_server,
     assert firebase.counts["status:401"] >= 1
 
 
+def test_persistent_401_is_eacces_after_one_forced_refresh(bare_mount, firebase, auth_server,
+                                                          users, buckets):
+    m = fb_signin_mount(bare_mount, firebase, auth_server, users)
+    assert _read(m.p("shared/s10.txt")) == FB_FILES["shared/s10.txt"]
+    refreshes = auth_server.counts["securetoken"]
+    assert firebase.settle()
+    seen = len(firebase.log)
+    firebase.fail_always(401)                    # even a fresh token is turned away
+    e = errno_of(_read, m.p("shared/s11.txt"))
+    assert errname(e) == "EACCES", f"got {errname(e)}"
+    assert auth_server.counts["securetoken"] == refreshes + 1, \
+        f"{auth_server.counts['securetoken'] - refreshes} refreshes for one 401 (expected one)"
+    tries = [(r.kind, r.name or r.prefix, r.auth) for r in firebase.log[seen:]]
+    assert len(tries) == 2, f"expected one request and one more after the refresh: {tries}"
+    assert all(auth == "firebase" for _, _, auth in tries), tries
+    firebase.clear_faults()
+    assert _read(m.p("shared/s11.txt")) == FB_FILES["shared/s11.txt"], "EACCES was cached"
+
+
+def test_persistent_401_with_token_file_is_eacces(bare_mount, firebase, auth_server, users,
+                                                  buckets):
+    tf = os.path.join(bare_mount.new_dir("tok"), "id-token")
+    write_token_file(tf, auth_server.mint_id_token("uid-alice", email=ALICE_EMAIL))
+    m = bare_mount(FCB, endpoint=firebase.endpoint,
+                   options=["protocol=firebase", f"token_file={tf}", "negative_ttl=0"])
+    assert _read(m.p("alice/a4.txt")) == FB_FILES["alice/a4.txt"]
+    assert firebase.settle()
+    seen = len(firebase.log)
+    auth_server.reject_current_id_tokens()       # and nobody writes a new one
+    assert errname(errno_of(_read, m.p("alice/a5.txt"))) == "EACCES"
+    tries = [(r.kind, r.name or r.prefix, r.status) for r in firebase.log[seen:]]
+    assert 1 <= len(tries) <= 2 and all(t[2] == 401 for t in tries), \
+        f"a token known to be rejected was sent again and again: {tries}"
+
+
 def test_revoked_refresh_token_is_eacces(bare_mount, firebase, auth_server, users, buckets):
     m = fb_signin_mount(bare_mount, firebase, auth_server, users)
     assert _read(m.p("shared/s08.txt")) == FB_FILES["shared/s08.txt"]

@@ -388,7 +388,7 @@ def test_download_url_xattr_is_the_v0_token_url(bare_mount, firebase, emulator, 
     assert (status, body) == (200, fbdata[TOKEN_OBJ])
 
 
-def test_token_creation_does_not_invalidate_cached_blocks(bare_mount, firebase, emulator):
+def test_token_creation_does_not_invalidate_cached_blocks(bare_mount, firebase, emulator, fbdata):
     data = random.Random(77).randbytes(2 * MiB + 5)
     name = _upload_fresh(emulator, data)
     firebase.create_tokens = False          # first mount: the object stays token-less
@@ -417,14 +417,30 @@ def test_token_creation_does_not_invalidate_cached_blocks(bare_mount, firebase, 
     assert media == [], f"a metageneration bump invalidated cached blocks: {len(media)} media GETs"
 
 
-def test_429_on_every_request_is_eagain(bare_mount, firebase, fbdata):
+def test_new_generation_is_read_anew(bare_mount, firebase, emulator, fbdata):
+    old, new = b"first generation\n" * 1000, b"second generation!\n" * 900
+    name = _upload_fresh(emulator, old)
+    m = fb_mount(bare_mount, firebase, options=["stat_ttl=1"])
+    assert _read(m.p(name)) == old
+    emulator.upload(FB, name, new)
+    time.sleep(1.5)
+    firebase.reset()
+    assert os.stat(m.p(name)).st_size == len(new)
+    assert _read(m.p(name)) == new, "a new generation must never be served from old blocks"
+    assert [r for r in firebase.requests("media") if r.name == name]
+
+
+@pytest.mark.parametrize("status", [429, 402])
+def test_quota_errors_on_every_request_are_eagain(bare_mount, firebase, fbdata, status):
     m = fb_mount(bare_mount, firebase)
     assert sorted(os.listdir(m.p("docs"))) == ["notes", "readme.txt"]
-    firebase.fail_always(429)
+    firebase.fail_always(status)
     t0 = time.monotonic()
     e = errno_of(_read, m.p("odd/hash#q?.txt"))
     assert errname(e) == "EAGAIN", f"got {errname(e)} after {time.monotonic() - t0:.1f} s"
-    assert firebase.counts["status:429"] >= 2, "429 is retried before giving up"
+    assert firebase.counts[f"status:{status}"] >= 1
+    if status == 429:
+        assert firebase.counts["status:429"] >= 2, "429 is retried before giving up"
     firebase.clear_faults()
     assert _read(m.p("odd/hash#q?.txt")) == b"odd odd/hash#q?.txt\n", \
         "after the 429s stop the same file reads (the error was not cached)"
