@@ -99,7 +99,7 @@ public final class Filesystem: Sendable {
         } catch {
             // The bucket is unreachable or failing: a path we already know keeps working from
             // what we know (its cached blocks stay readable). Missing and denied stay errors.
-            guard case .storage(let code) = error.code, code == .unreachable || code == .retryLimitExceeded,
+            guard case .storage(let code) = error.code, Self.isOutage(code),
                   let known = table.withLock({ t -> (UInt64, Node)? in
                       guard let ino = t.byPath[path], var node = t.nodes[ino] else { return nil }
                       node.lookups += 1
@@ -177,6 +177,13 @@ public final class Filesystem: Sendable {
                 if config.negativeTTL > 0 { negatives.withLock { $0[path] = now() + config.negativeTTL } }
                 throw FilesystemError(.noEntry, "no \(path)")
             }
+            // Unreachable or failing: what the last listing of the parent said still holds,
+            // so cached files stay reachable offline even after the kernel forgot them.
+            if Self.isOutage(error.code), let old = staleListing(parentPath) {
+                Log.info("op=lookup path=\(path) answering from an expired listing: \(error.message)")
+                guard let entry = old.entries[name] else { throw FilesystemError(.noEntry, "no \(path)") }
+                return entry
+            }
             Log.warn("op=lookup path=\(path) error=\(error.message)")
             throw FilesystemError(error)
         }
@@ -245,6 +252,16 @@ public final class Filesystem: Sendable {
         return h | (1 << 63)
     }
 
+    /// The bucket cannot answer right now (as opposed to answering "no").
+    static func isOutage(_ code: StorageError.Code) -> Bool {
+        code == .unreachable || code == .retryLimitExceeded
+    }
+
+    /// The last listing of a directory, however old (for outages).
+    private func staleListing(_ dirPath: String) -> DirectoryListing? {
+        listings.withLock { $0[dirPath]?.listing }
+    }
+
     private func freshListing(_ dirPath: String) -> DirectoryListing? {
         listings.withLock { l in
             guard let c = l[dirPath], c.expires > now() else { return nil }
@@ -265,6 +282,10 @@ public final class Filesystem: Sendable {
                 token = page.nextPageToken
             } while token != nil
         } catch {
+            if Self.isOutage(error.code), let old = staleListing(dirPath) {
+                Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
+                return old
+            }
             Log.warn("op=readdir prefix=\(prefix) error=\(error.message)")
             throw FilesystemError(error)
         }

@@ -82,7 +82,8 @@ enum StorefsMain {
         let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
                                        fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls)
-        let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: env)
+        let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
+                                                                    bucket: o.source.bucket, prefix: o.source.prefix)
         let cache: BlockCache
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),

@@ -130,6 +130,34 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(onDisk <= cap + 8192, "allocated \(onDisk)")
     }
 
+    @Test func oneProcessPerCacheDirectory() throws {
+        // flock is per open file description: a second open in this process conflicts too.
+        let first = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        #expect { _ = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096) } throws: {
+            ($0 as? FilesystemError)?.message.contains("in use by another storefs process") == true
+        }
+        withExtendedLifetime(first) {}
+    }
+
+    @Test func racingFirstOpensShareOneFile() throws {
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let got = Mutex<[CachedObject]>([])
+        let group = DispatchGroup()
+        for _ in 0..<8 {
+            group.enter()
+            Thread {
+                if let o = cache.acquire(endpoint: "e", meta: meta) { got.withLock { $0.append(o) } }
+                group.leave()
+            }.start()
+        }
+        group.wait()
+        let objects = got.withLock { $0 }
+        #expect(objects.count == 8 && objects.allSatisfy { $0 === objects[0] })
+        #expect(FileManager.default.fileExists(atPath: objects[0].path))
+        storeAll(objects[0], pattern(10_000))
+        #expect(readBack(objects[0], block: 0, count: 4096) == Array(pattern(10_000)[0..<4096]))
+    }
+
     @Test func cacheFilesArePrivateAndNamedByHash() throws {
         let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))

@@ -97,6 +97,26 @@ import StorageClient
         }
     }
 
+    @Test func knownNamesResolveWhileTheBucketIsUnreachable() throws {
+        store.put("d/cached.bin", [1, 2, 3])
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0.2, negativeTTL: 0))
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
+        fs.release(try fs.openDirectory(d.inode))
+        let f = try fs.lookup(parent: d.inode, name: "cached.bin")
+        fs.forget(f.inode, count: 1)  // the kernel dropped it
+        usleep(300_000)  // the listing expires
+        store.failAll(with: StorageError(.unreachable, "connection refused"))
+        #expect(try fs.lookup(parent: d.inode, name: "cached.bin").size == 3)
+        #expect { _ = try fs.lookup(parent: d.inode, name: "never-listed") } throws: {
+            ($0 as? FilesystemError)?.code == .noEntry
+        }
+        store.failAll(with: StorageError(.unauthorized, "denied", httpStatus: 403))
+        #expect { _ = try fs.lookup(parent: d.inode, name: "cached.bin") } throws: {
+            ($0 as? FilesystemError)?.code == .storage(.unauthorized)
+        }
+    }
+
     @Test func mountedPrefixIsTheRoot() throws {
         store.put("photos/2024/a.jpg", [1, 2])
         store.put("other/x", [1])

@@ -19,6 +19,8 @@ public final class BlockCache: Sendable {
     public let capacity: Int64
     public let blockSize: Int
     let root: String
+    /// Held (flock) for the life of the process: the lock is released when the process ends.
+    private let lockFD: Int32
 
     private struct State: ~Copyable {
         var objects: [String: CachedObject] = [:]
@@ -27,6 +29,7 @@ public final class BlockCache: Sendable {
     }
 
     private let state = Mutex(State())
+    private let creating = NSLock()
     private let clock = Atomic<UInt64>(1)
     static let degradedSeconds = 30.0
 
@@ -52,8 +55,19 @@ public final class BlockCache: Sendable {
         }
         if st.st_uid == geteuid() { chmod(root, 0o700) }
         if stat(directory, &st) == 0, st.st_uid == geteuid() { chmod(directory, 0o700) }
+        // One process per cache: each enforces the cap on what it knows and cleans up at start.
+        lockFD = Glibc.open(root + "/.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+        guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
+            let busy = errno == EWOULDBLOCK
+            if lockFD >= 0 { Glibc.close(lockFD) }
+            throw FilesystemError(.invalidArgument, busy
+                ? "cache_dir \(directory) is in use by another storefs process: give each mount its own cache_dir="
+                : "cache_dir \(directory): cannot lock \(root)/.lock: \(String(cString: strerror(errno)))")
+        }
         loadExisting()
     }
+
+    deinit { Glibc.close(lockFD) }
 
     func tick() -> UInt64 { clock.add(1, ordering: .relaxed).newValue }
 
@@ -87,17 +101,23 @@ public final class BlockCache: Sendable {
             return existing
         }
         if isDegraded { return nil }
+        // One creator at a time: two first opens racing to rename a file onto the same name
+        // would otherwise leave one of them writing into an unlinked file.
+        creating.lock()
+        defer { creating.unlock() }
+        if let raced = state.withLock({ $0.objects[hex] }), raced.format.objectSize == meta.size {
+            raced.open()
+            return raced
+        }
         let format = CacheFileFormat(blockSize: blockSize, objectSize: meta.size, generation: meta.generation, keyHash: hash)
         guard let created = create(format: format, hex: hex) else { return nil }
-        let chosen: CachedObject = state.withLock { s in
-            if let racing = s.objects[hex] { return racing }
+        state.withLock { s in
+            if let stale = s.objects[hex] { s.usedBytes -= stale.overheadBytes + stale.storedBytes }
             s.objects[hex] = created
             s.usedBytes += created.overheadBytes
-            return created
         }
-        if chosen !== created { unlink(created.path) }
-        chosen.open()
-        return chosen
+        created.open()
+        return created
     }
 
     func release(_ object: CachedObject) {

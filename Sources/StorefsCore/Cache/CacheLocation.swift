@@ -10,6 +10,13 @@ public enum CacheLocation {
         return home + "/.cache/storefs"
     }
 
+    /// The default cache of one mount source: a subdirectory of `defaultDirectory` named by a
+    /// hash of endpoint, bucket and prefix, so that mounts of different sources never share one.
+    public static func defaultDirectory(environment: [String: String], endpoint: String, bucket: String, prefix: String) -> String {
+        let key = Array("\(endpoint)\u{0}\(bucket)\u{0}\(prefix)".utf8)
+        return defaultDirectory(environment: environment) + "/" + BlockCache.hex(Checksum.sha256(key)).prefix(16)
+    }
+
     /// 10 GiB, or half of the free space of the file system holding `directory` if that is
     /// less (at least 256 MiB), measured at mount.
     public static func defaultSize(directory: String) -> Int64 {
