@@ -99,45 +99,30 @@ static uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
 }
 
 #if defined(__x86_64__)
+/* CRCs three consecutive runs of `run` bytes at once and folds them into c0. */
+__attribute__((target("sse4.2"), always_inline))
+static inline uint64_t crc32c_three(uint64_t c0, const uint8_t *p, size_t run, uint32_t zeros[][256]) {
+    uint64_t c1 = 0, c2 = 0;
+    const uint8_t *end = p + run;
+    do {
+        uint64_t a, b, d;
+        memcpy(&a, p, 8);
+        memcpy(&b, p + run, 8);
+        memcpy(&d, p + 2 * run, 8);
+        c0 = __builtin_ia32_crc32di(c0, a);
+        c1 = __builtin_ia32_crc32di(c1, b);
+        c2 = __builtin_ia32_crc32di(c2, d);
+        p += 8;
+    } while (p < end);
+    c0 = shift(zeros, (uint32_t)c0) ^ (uint32_t)c1;
+    return shift(zeros, (uint32_t)c0) ^ (uint32_t)c2;
+}
+
 __attribute__((target("sse4.2")))
 static uint32_t crc32c_hw(uint32_t crc, const uint8_t *p, size_t len) {
     uint64_t c0 = crc;
-    while (len >= 3 * LONG_RUN) {
-        uint64_t c1 = 0, c2 = 0;
-        const uint8_t *end = p + LONG_RUN;
-        do {
-            uint64_t a, b, d;
-            memcpy(&a, p, 8);
-            memcpy(&b, p + LONG_RUN, 8);
-            memcpy(&d, p + 2 * LONG_RUN, 8);
-            c0 = __builtin_ia32_crc32di(c0, a);
-            c1 = __builtin_ia32_crc32di(c1, b);
-            c2 = __builtin_ia32_crc32di(c2, d);
-            p += 8;
-        } while (p < end);
-        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(zeros_long, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * LONG_RUN;
-        len -= 3 * LONG_RUN;
-    }
-    while (len >= 3 * SHORT_RUN) {
-        uint64_t c1 = 0, c2 = 0;
-        const uint8_t *end = p + SHORT_RUN;
-        do {
-            uint64_t a, b, d;
-            memcpy(&a, p, 8);
-            memcpy(&b, p + SHORT_RUN, 8);
-            memcpy(&d, p + 2 * SHORT_RUN, 8);
-            c0 = __builtin_ia32_crc32di(c0, a);
-            c1 = __builtin_ia32_crc32di(c1, b);
-            c2 = __builtin_ia32_crc32di(c2, d);
-            p += 8;
-        } while (p < end);
-        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(zeros_short, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * SHORT_RUN;
-        len -= 3 * SHORT_RUN;
-    }
+    for (; len >= 3 * LONG_RUN; p += 3 * LONG_RUN, len -= 3 * LONG_RUN) c0 = crc32c_three(c0, p, LONG_RUN, zeros_long);
+    for (; len >= 3 * SHORT_RUN; p += 3 * SHORT_RUN, len -= 3 * SHORT_RUN) c0 = crc32c_three(c0, p, SHORT_RUN, zeros_short);
     while (len >= 8) {
         uint64_t v;
         memcpy(&v, p, 8);

@@ -15,6 +15,18 @@ private func reply(_ req: fuse_req_t?, _ error: FilesystemError) {
     _ = fuse_reply_err(req, Errno.value(for: error.code))
 }
 
+/// Runs a callback's work and, if it throws, replies with the error's errno (EIO for anything
+/// that is not a FilesystemError). The work itself sends the success reply.
+private func answering(_ req: fuse_req_t?, _ work: () throws -> Void) {
+    do {
+        try work()
+    } catch let e as FilesystemError {
+        reply(req, e)
+    } catch {
+        _ = fuse_reply_err(req, EIO)
+    }
+}
+
 private func replyReadOnly(_ req: fuse_req_t?) {
     _ = fuse_reply_err(req, Errno.value(for: .readOnly))
 }
@@ -109,32 +121,24 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.getattr = { req, ino, _ in
         let fs = context(req).fs
-        do {
+        answering(req) {
             var st = makeStat(try fs.attributes(of: UInt64(ino)))
             _ = fuse_reply_attr(req, &st, fs.config.statTTL)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
     ops.opendir = { req, ino, fi in
         let fs = context(req).fs
-        do {
+        answering(req) {
             fi!.pointee.fh = try fs.openDirectory(UInt64(ino))
             fi!.pointee.cache_readdir = 0
             _ = fuse_reply_open(req, fi)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
     ops.readdir = { req, _, size, off, fi in
         let fs = context(req).fs
-        do {
+        answering(req) {
             let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off))
             var buffer = [CChar](repeating: 0, count: size)
             var used = 0
@@ -149,17 +153,13 @@ func makeOperations() -> fuse_lowlevel_ops {
                 }
             }
             _ = fuse_reply_buf(req, buffer, used)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
     ops.readdirplus = { req, _, size, off, fi in
         let fs = context(req).fs
         let handle = fi!.pointee.fh
-        do {
+        answering(req) {
             let entries = try fs.readDirectory(handle, from: Int(off))
             var buffer = [CChar](repeating: 0, count: size)
             var used = 0
@@ -187,10 +187,6 @@ func makeOperations() -> fuse_lowlevel_ops {
                 }
             }
             _ = fuse_reply_buf(req, buffer, used)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
@@ -201,15 +197,11 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.open = { req, ino, fi in
         let fs = context(req).fs
-        do {
+        answering(req) {
             let opened = try fs.open(UInt64(ino), flags: fi!.pointee.flags)
             fi!.pointee.fh = opened.handle
             fi!.pointee.keep_cache = opened.keepCache ? 1 : 0
             _ = fuse_reply_open(req, fi)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
@@ -261,26 +253,18 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.getxattr = { req, ino, name, size in
         let fs = context(req).fs
-        do {
+        answering(req) {
             replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: String(cString: name!), requester: requester(req)),
                        size: size)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
     ops.listxattr = { req, ino, size in
         let fs = context(req).fs
-        do {
+        answering(req) {
             var list: [UInt8] = []
             for name in try fs.extendedAttributeNames(UInt64(ino), requester: requester(req)) { list += Array(name.utf8) + [0] }
             replyXattr(req, list, size: size)
-        } catch let e as FilesystemError {
-            reply(req, e)
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 

@@ -1,3 +1,4 @@
+import Foundation
 import Glibc
 import StorageClient
 import Synchronization
@@ -25,11 +26,15 @@ public final class Filesystem: Sendable {
         public var downloadURL: DownloadURL
         /// Metadata GETs in flight at once when a listing lacks sizes (Firebase v0).
         public var metadataParallelism: Int
+        /// Sub-directories listed ahead when a directory is opened (0: none).
+        public var listingPrefetch: Int
 
         public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
                     gid: UInt32 = getgid(), fileMode: UInt32 = 0o444, dirMode: UInt32 = 0o555,
-                    downloadURL: DownloadURL = DownloadURL(ownerUID: getuid()), metadataParallelism: Int = 16) {
+                    downloadURL: DownloadURL = DownloadURL(ownerUID: getuid()), metadataParallelism: Int = 16,
+                    listingPrefetch: Int = 0) {
             self.downloadURL = downloadURL
+            self.listingPrefetch = listingPrefetch
             self.metadataParallelism = metadataParallelism
             self.statTTL = statTTL
             self.listTTL = listTTL
@@ -56,6 +61,8 @@ public final class Filesystem: Sendable {
     private let negatives = Mutex([String: Double]())
     private let handles = Mutex(Handles())
     private let shadowLogged = Mutex(Set<String>())
+    private let listingFlights = Mutex([String: ListingFlight]())
+    private let listingPoolSlot = Mutex<WorkerPool?>(nil)
 
     /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
     public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil) {
@@ -201,6 +208,7 @@ public final class Filesystem: Sendable {
     public func openDirectory(_ inode: UInt64) throws(FilesystemError) -> UInt64 {
         let path = try directoryPath(inode)
         let listing = try fullListing(path)
+        prefetchListings(under: path, listing)
         var entries: [Handles.Listed] = [
             .init(name: ".", kind: .directory, inode: inode, entry: nil),
             .init(name: "..", kind: .directory, inode: inode, entry: nil),
@@ -272,6 +280,44 @@ public final class Filesystem: Sendable {
     /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
     func fullListing(_ dirPath: String) throws(FilesystemError) -> DirectoryListing {
         if let l = freshListing(dirPath) { return l }
+        // One listing of a directory at a time: later askers wait for the one under way.
+        let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
+            if let running = f[dirPath] { return (running, false) }
+            let created = ListingFlight()
+            f[dirPath] = created
+            return (created, true)
+        }
+        if !mine { return try flight.wait().get() }
+        let result: Result<DirectoryListing, FilesystemError>
+        do throws(FilesystemError) { result = .success(try fetchListing(dirPath)) } catch { result = .failure(error) }
+        listingFlights.withLock { _ = $0.removeValue(forKey: dirPath) }
+        flight.finish(result)
+        return try result.get()
+    }
+
+    /// After a directory is opened, its sub-directories are listed ahead on a few threads of
+    /// their own, so `find` and `ls -R` find the next listing ready (one level ahead of the
+    /// walker, at most `listingPrefetch` directories, only where listings carry metadata).
+    private func prefetchListings(under dirPath: String, _ listing: DirectoryListing) {
+        guard config.listingPrefetch > 0, config.listTTL > 0 else { return }
+        var queued = 0
+        for name in listing.sortedNames where listing.entries[name] == .directory {
+            if queued == config.listingPrefetch { break }
+            let child = Self.join(dirPath, name)
+            if freshListing(child) != nil || listingFlights.withLock({ $0[child] != nil }) { continue }
+            queued += 1
+            listingPool.submit { [self] in _ = try? self.fullListing(child) }
+        }
+    }
+
+    private var listingPool: WorkerPool {
+        listingPoolSlot.withLock { p in
+            if p == nil { p = WorkerPool(threads: 4, name: "storefs-list") }
+            return p!
+        }
+    }
+
+    private func fetchListing(_ dirPath: String) throws(FilesystemError) -> DirectoryListing {
         let prefix = listingPrefix(of: dirPath)
         var pages: [ListPage] = []
         var token: String? = nil
@@ -478,6 +524,26 @@ func now() -> Double {
     var ts = timespec()
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
+}
+
+/// A directory listing under way, which later askers wait for.
+final class ListingFlight: @unchecked Sendable {
+    private let condition = NSCondition()
+    private var result: Result<DirectoryListing, FilesystemError>?
+
+    func finish(_ r: Result<DirectoryListing, FilesystemError>) {
+        condition.lock()
+        result = r
+        condition.broadcast()
+        condition.unlock()
+    }
+
+    func wait() -> Result<DirectoryListing, FilesystemError> {
+        condition.lock()
+        defer { condition.unlock() }
+        while result == nil { condition.wait() }
+        return result!
+    }
 }
 
 struct CachedListing {

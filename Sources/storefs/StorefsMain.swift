@@ -81,7 +81,9 @@ enum StorefsMain {
                                signer: choice.signer, access: o.urlAccess, ownerUID: getuid())
         let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
-                                       fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls)
+                                       fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls,
+                                       // v0 listings cost a metadata GET per file: list ahead on GCS only.
+                                       listingPrefetch: o.storageProtocol == .gcs ? 32 : 0)
         let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
                                                                     bucket: o.source.bucket, prefix: o.source.prefix)
         let cache: BlockCache

@@ -257,22 +257,22 @@ public final class BlockReader: Sendable {
     /// waiters of a cancelled download make their own.
     private func execute(_ flight: Flight, _ stream: Stream, isCancelled: (@Sendable () -> Bool)?) {
         let meta = stream.meta
-        let result: Result<Void, StorageError>
+        let t0 = now()
         do throws(StorageError) {
-            let t0 = now()
             try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.buffer,
                            isCancelled: isCancelled)
-            let t1 = now()
-            stream.cached?.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
-            Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.buffer.count) get_ms=\(Int((t1 - t0) * 1000)) store_ms=\(Int((now() - t1) * 1000))")
-            result = .success(())
         } catch {
-            result = .failure(error)
+            forget(flight, meta)  // the next reader tries afresh
+            flight.finish(.failure(error))
+            return
         }
-        // A download that succeeded stays registered until a reader has copied its last block
-        // (or memory runs short); a failed one goes now, so the next reader tries afresh.
-        if !result.isSuccess { forget(flight, meta) }
-        flight.finish(result)
+        // Waiters copy from the buffer at once; the disk copy is made afterwards (the buffer
+        // lives as long as this call holds the flight). The flight stays registered until a
+        // reader has copied its last block, or memory runs short.
+        let t1 = now()
+        flight.finish(.success(()))
+        stream.cached?.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+        Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.buffer.count) get_ms=\(Int((t1 - t0) * 1000)) store_ms=\(Int((now() - t1) * 1000))")
     }
 }
 
