@@ -97,6 +97,7 @@ public enum FuseSession {
         let deadline = Date().addingTimeInterval(10)
         while ctx.inFlight.load(ordering: .acquiring) > 0 && Date() < deadline { usleep(2000) }
         ctx.stopWorkers()
+        fs.finishPendingWork()
         Log.info("unmounting \(settings.mountpoint) (loop status \(rc))")
         // rc is 0 on unmount, or the number of the signal that ended the loop: both are clean.
         return rc < 0 ? 1 : 0

@@ -75,6 +75,11 @@ public final class Filesystem: Sendable {
         mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))
     }
 
+    /// Called once the kernel is gone (unmount, signal): lets background work land on disk.
+    public func finishPendingWork(timeout: Double = 10) {
+        reader.finishPendingWork(timeout: timeout)
+    }
+
     // MARK: Names
 
     /// The object name (or listing prefix, without its trailing `/`) of a mount-relative path.

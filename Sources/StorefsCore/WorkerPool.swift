@@ -8,6 +8,7 @@ public final class WorkerPool: Sendable {
         var jobs: [(@Sendable () -> Void)?] = []
         var head = 0
         var stopping = false
+        var running = 0
     }
 
     private let queue = Mutex(Queue())
@@ -32,6 +33,16 @@ public final class WorkerPool: Sendable {
         wake.signal()
     }
 
+    /// Waits until no job is queued or running, at most `timeout` seconds; false on time-out.
+    public func drain(timeout: Double) -> Bool {
+        let deadline = Date().addingTimeInterval(timeout)
+        while queue.withLock({ $0.head < $0.jobs.count || $0.running > 0 }) {
+            if Date() > deadline { return false }
+            usleep(2000)
+        }
+        return true
+    }
+
     /// Lets the threads finish queued work and exit.
     public func shutdown() {
         queue.withLock { $0.stopping = true }
@@ -46,6 +57,7 @@ public final class WorkerPool: Sendable {
                 let j = q.jobs[q.head]
                 q.jobs[q.head] = nil  // release what the job captured (flights hold budget)
                 q.head += 1
+                q.running += 1
                 if q.head > 1024 && q.head * 2 > q.jobs.count {
                     q.jobs.removeFirst(q.head)
                     q.head = 0
@@ -54,6 +66,7 @@ public final class WorkerPool: Sendable {
             }
             if let job {
                 job()
+                queue.withLock { $0.running -= 1 }
             } else if queue.withLock({ $0.stopping }) {
                 return
             }

@@ -92,7 +92,11 @@ public final class HTTPClient: Sendable {
         _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_TIME, timeouts.stall)
         _ = ccurl_setopt_str(h, CURLOPT_USERAGENT, userAgent)
         _ = ccurl_setopt_slist(h, CURLOPT_HTTPHEADER, list)
-        _ = ccurl_setopt_long(h, CURLOPT_BUFFERSIZE, 512 * 1024)
+        // A large receive buffer pays off for multi-MiB parts, but curl allocates it per
+        // transfer: small ranged reads and JSON answers keep the default.
+        if case .window(let buffer, _) = sink, buffer.count >= 1 << 20 {
+            _ = ccurl_setopt_long(h, CURLOPT_BUFFERSIZE, 512 * 1024)
+        }
         _ = ccurl_setopt_writefn(h, curlWriteCallback)
         _ = ccurl_setopt_headerfn(h, curlHeaderCallback)
         let opaque = Unmanaged.passUnretained(transfer).toOpaque()

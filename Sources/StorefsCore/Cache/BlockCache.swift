@@ -357,7 +357,11 @@ final class CachedObject: Sendable {
             guard cache.reserve(cost) else { return }
             let crc = Checksum.crc32c(slice)
             let fd = state.withLock { $0.fd }
-            guard fd >= 0, pwrite(fd, slice.baseAddress, length, off_t(format.blockOffset(block))) == length else {
+            guard fd >= 0 else {
+                cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
+                return
+            }
+            guard pwrite(fd, slice.baseAddress, length, off_t(format.blockOffset(block))) == length else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
                 return

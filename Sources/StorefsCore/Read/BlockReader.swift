@@ -63,6 +63,15 @@ public final class BlockReader: Sendable {
         }
     }
 
+    /// Waits for read-ahead and cache writes under way (unmount): what was read before an
+    /// unmount is in the cache after it.
+    public func finishPendingWork(timeout: Double) {
+        let pool = pool.withLock { $0 }
+        if let pool, !pool.drain(timeout: timeout) {
+            Log.warn("unmount: read-ahead and cache writes still running after \(Int(timeout))s; leaving them")
+        }
+    }
+
     /// Per-open-file state: the generation's cache entry and the sequential detector.
     final class Stream: Sendable {
         let meta: ObjectMetadata
@@ -122,7 +131,7 @@ public final class BlockReader: Sendable {
         guard let flight = flights.withLock({ $0[key] }), case .success? = flight.finished else { return false }
         let at = (block - flight.firstBlock) * blockSize + inBlock
         out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + out.count)]))
-        if block == flight.lastBlock && inBlock + out.count == blockLength(stream.meta, block) {
+        if block == flight.lastBlock && inBlock + out.count == blockLength(stream.meta, block), flight.markConsumed() {
             forget(flight, stream.meta)
         }
         return true
@@ -165,7 +174,7 @@ public final class BlockReader: Sendable {
             }
             let lastBlock = Int((end - 1) / Int64(blockSize))
             let (flight, mine) = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
-            if mine { execute(flight, stream, isCancelled: isCancelled) }
+            if mine { execute(flight, stream, isCancelled: isCancelled ?? { false }) }
             guard let outcome = flight.wait(isCancelled: isCancelled) else {
                 throw StorageError(.cancelled, "read interrupted")
             }
@@ -173,7 +182,7 @@ public final class BlockReader: Sendable {
             case .success:
                 let at = (block - flight.firstBlock) * blockSize + inBlock
                 out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + take)]))
-                if block == flight.lastBlock { forget(flight, meta) }
+                if block == flight.lastBlock, flight.markConsumed() { forget(flight, meta) }
                 pos += Int64(take)
             case .failure(let error):
                 // Someone else's download was cancelled: make our own on the next turn.
@@ -246,15 +255,20 @@ public final class BlockReader: Sendable {
                 return true
             }
             if registered {
-                prefetchPool.submit { [self] in self.execute(flight, stream, isCancelled: nil) }
+                // Read-ahead outlives the read that asked for it: keep the cache file open.
+                stream.cached?.open()
+                prefetchPool.submit { [self] in
+                    self.execute(flight, stream, isCancelled: nil)
+                    if let c = stream.cached { self.cache?.release(c) }
+                }
             }
             b = end + 1
         }
     }
 
     /// Downloads a flight's bytes, stores them in the cache, then wakes its waiters.
-    /// `isCancelled` is the interrupted-check of the reader that made a demand download; other
-    /// waiters of a cancelled download make their own.
+    /// `isCancelled` is the interrupted-check of the reader that made a demand download (nil for
+    /// read-ahead); other waiters of a cancelled download make their own.
     private func execute(_ flight: Flight, _ stream: Stream, isCancelled: (@Sendable () -> Bool)?) {
         let meta = stream.meta
         let t0 = now()
@@ -269,10 +283,25 @@ public final class BlockReader: Sendable {
         // Waiters copy from the buffer at once; the disk copy is made afterwards (the buffer
         // lives as long as this call holds the flight). The flight stays registered until a
         // reader has copied its last block, or memory runs short.
-        let t1 = now()
         flight.finish(.success(()))
+        Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.buffer.count) get_us=\(Int((now() - t0) * 1e6))")
+        if isCancelled != nil {
+            // A reader made this download and is waiting to reply: write the cache copy on a
+            // prefetch thread instead of in front of that reply.
+            // It keeps the cache file open: the reader may close its file before this runs.
+            stream.cached?.open()
+            prefetchPool.submit { [self] in
+                self.storeToCache(flight, stream)
+                if let c = stream.cached { self.cache?.release(c) }
+            }
+        } else {
+            storeToCache(flight, stream)
+        }
+    }
+
+    private func storeToCache(_ flight: Flight, _ stream: Stream) {
         stream.cached?.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
-        Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.buffer.count) get_ms=\(Int((t1 - t0) * 1000)) store_ms=\(Int((now() - t1) * 1000))")
+        if flight.markStored() { forget(flight, stream.meta) }
     }
 }
 

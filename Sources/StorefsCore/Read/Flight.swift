@@ -14,6 +14,8 @@ final class Flight: @unchecked Sendable {
     private let budget: MemoryBudget
     private let condition = NSCondition()
     private var outcome: Result<Void, StorageError>?
+    private var consumed = false
+    private var stored = false
 
     private let pool: FlightBufferPool
 
@@ -40,6 +42,23 @@ final class Flight: @unchecked Sendable {
         condition.lock()
         defer { condition.unlock() }
         return outcome
+    }
+
+    /// A reader copied the last block. True when the disk copy is done too, so the flight
+    /// can go: until then it must stay findable, or read-ahead would fetch the range again.
+    func markConsumed() -> Bool {
+        condition.lock()
+        defer { condition.unlock() }
+        consumed = true
+        return stored
+    }
+
+    /// The cache write finished (or was skipped). True when a reader already took the last block.
+    func markStored() -> Bool {
+        condition.lock()
+        defer { condition.unlock() }
+        stored = true
+        return consumed
     }
 
     func finish(_ result: Result<Void, StorageError>) {
