@@ -35,6 +35,8 @@ public struct MountOptions: Sendable, Equatable {
     public var readAhead: Int64 = 64 << 20
     public var parallel = 4
     public var memoryLimit: Int64 = 256 << 20
+    /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
+    public var listAhead = 128
     public var statTTL: Double = 60
     public var listTTL: Double = 60
     public var negativeTTL: Double = 5
@@ -92,6 +94,7 @@ public struct MountOptions: Sendable, Equatable {
           -o read_ahead=SIZE largest read-ahead window of a sequential reader (default 64M; 0 = off)
           -o parallel=N      read-ahead downloads in flight at once (default 4)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
+          -o list_ahead=N    sub-directories listed ahead when a directory is opened (default 128, 0 = off)
           -o stat_ttl=S      seconds object attributes are trusted (default 60)
           -o list_ttl=S      seconds directory listings are trusted (default 60)
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
@@ -192,6 +195,12 @@ public struct MountOptions: Sendable, Equatable {
                 o.blockSize = Int(b)
             case "read_ahead": o.readAhead = try size(key, value, min: 0)
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
+            case "list_ahead":
+                let v = try require(key, value)
+                guard let n = Int(v), (0...4096).contains(n) else {
+                    throw ParseError(message: "list_ahead=\(v) must be a whole number from 0 to 4096")
+                }
+                o.listAhead = n
             case "parallel":
                 let v = try require(key, value)
                 guard let n = Int(v), (1...64).contains(n) else { throw ParseError(message: "parallel=\(v) must be a whole number from 1 to 64") }

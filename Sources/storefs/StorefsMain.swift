@@ -83,7 +83,7 @@ enum StorefsMain {
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
                                        fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls,
                                        // v0 listings cost a metadata GET per file: list ahead on GCS only.
-                                       listingPrefetch: o.storageProtocol == .gcs ? 32 : 0)
+                                       listingPrefetch: o.storageProtocol == .gcs ? o.listAhead : 0)
         let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
                                                                     bucket: o.source.bucket, prefix: o.source.prefix)
         let cache: BlockCache
