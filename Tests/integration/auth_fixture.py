@@ -51,7 +51,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from storefs_testlib import ForbiddingProxy, MountManager, _ProxyHandler, classify
+from storefs_testlib import ForbiddingProxy, MountManager, _ProxyHandler, classify, serve_loopback, stop_loopback
 
 READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 GOOGLE_TOKEN_AUD = "https://oauth2.googleapis.com/token"
@@ -361,20 +361,13 @@ class AuthServer:
         class Handler(_AuthHandler):
             server_owner = owner
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
+        self._server, self.port = serve_loopback(Handler, "auth-fixture")
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="auth-fixture",
-                                        daemon=True)
-        self._thread.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        stop_loopback(self._server)
+        self._server = None
 
     @property
     def metadata_host(self) -> str:

@@ -54,6 +54,8 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
+from storefs_testlib import serve_loopback, stop_loopback
+
 from gcs_emulator import GCSEmulator, quote_name
 
 TOKENS_KEY = "firebaseStorageDownloadTokens"
@@ -163,20 +165,13 @@ class FirebaseStorageServer:
         class Handler(_V0Handler):
             fb = owner
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
+        self._server, self.port = serve_loopback(Handler, "v0-fixture")
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="v0-fixture",
-                                        daemon=True)
-        self._thread.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        stop_loopback(self._server)
+        self._server = None
 
     @property
     def host(self) -> str:

@@ -716,3 +716,18 @@ def expected_tree(names, prefix: str = "") -> tuple[dict[str, set[str]], dict[st
 def open_close(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> None:
     """open(2) then close: never leaves a descriptor that would keep the mount busy."""
     os.close(os.open(path, flags, mode))
+
+
+def serve_loopback(handler: type, name: str) -> tuple[http.server.ThreadingHTTPServer, int]:
+    """Starts a threaded HTTP server for `handler` on a free 127.0.0.1 port; returns it and the port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+    return server, server.server_address[1]
+
+
+def stop_loopback(server: http.server.ThreadingHTTPServer | None) -> None:
+    """Stops a server from serve_loopback (no-op for None)."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()
