@@ -3,17 +3,22 @@ import Foundation
 /// What both protocols share: credentials on every request (one forced refresh after a 401),
 /// retries with backoff, status → `StorageError`, and JSON bodies.
 struct AuthorizedHTTP: Sendable {
+    /// The API origin without a trailing `/`.
+    let endpoint: String
     let http: HTTPClient
     let credentials: Credentials
     let retry: RetryPolicy
 
     init(endpoint: String, http: HTTPClient, credentials: Credentials, retry: RetryPolicy) throws(StorageError) {
+        var e = endpoint
+        while e.hasSuffix("/") { e.removeLast() }
+        self.endpoint = e
         self.http = http
         self.credentials = credentials
         self.retry = retry
-        if credentials.sendsSecrets && endpoint.lowercased().hasPrefix("http://") && !GCSJSONStore.isLoopback(endpoint) {
+        if credentials.sendsSecrets && e.lowercased().hasPrefix("http://") && !GCSJSONStore.isLoopback(e) {
             throw StorageError(.invalidArgument,
-                               "refusing to send credentials over plain http to \(endpoint): use https, a loopback endpoint, or -o anonymous")
+                               "refusing to send credentials over plain http to \(e): use https, a loopback endpoint, or -o anonymous")
         }
     }
 

@@ -9,16 +9,13 @@ public final class FirebaseV0Store: ObjectStore {
 
     public let bucket: String
     /// The mount's Firebase origin: download URLs are built on it.
-    public let endpoint: String
+    public var endpoint: String { client.endpoint }
     private let client: AuthorizedHTTP
 
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
         self.bucket = bucket
-        var e = endpoint
-        while e.hasSuffix("/") { e.removeLast() }
-        self.endpoint = e
-        client = try AuthorizedHTTP(endpoint: e, http: http, credentials: credentials, retry: retry)
+        client = try AuthorizedHTTP(endpoint: endpoint, http: http, credentials: credentials, retry: retry)
     }
 
     private var bucketPath: String { "\(endpoint)/v0/b/\(ObjectName.encode(bucket))/o" }

@@ -10,16 +10,13 @@ public final class GCSJSONStore: ObjectStore {
         "items(name,bucket,size,generation,metageneration,updated,timeCreated,contentType,contentEncoding,cacheControl,md5Hash,crc32c,metadata),prefixes,nextPageToken"
 
     public let bucket: String
-    private let endpoint: String
+    private var endpoint: String { client.endpoint }
     private let client: AuthorizedHTTP
 
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
         self.bucket = bucket
-        var e = endpoint
-        while e.hasSuffix("/") { e.removeLast() }
-        self.endpoint = e
-        client = try AuthorizedHTTP(endpoint: e, http: http, credentials: credentials, retry: retry)
+        client = try AuthorizedHTTP(endpoint: endpoint, http: http, credentials: credentials, retry: retry)
     }
 
     static func isLoopback(_ url: String) -> Bool {
