@@ -64,9 +64,20 @@ final class CurlTransfer {
             return
         }
         guard let colon = line.firstIndex(of: UInt8(ascii: ":")) else { return }
-        let name = String(decoding: line[..<colon], as: UTF8.self).lowercased()
-        let value = String(decoding: line[(colon + 1)...], as: UTF8.self)
-            .trimmingCharacters(in: .whitespacesAndNewlines)
+        // Byte-level: Foundation's lowercased()/trimmingCharacters cost ~30 µs per answer here.
+        let name = String(unsafeUninitializedCapacity: colon) { out in
+            for i in 0..<colon {
+                let c = line[i]
+                out[i] = (c >= UInt8(ascii: "A") && c <= UInt8(ascii: "Z")) ? c | 0x20 : c
+            }
+            return colon
+        }
+        var from = colon + 1
+        var to = line.count
+        func isSpace(_ c: UInt8) -> Bool { c == 0x20 || c == 0x09 || c == 0x0d || c == 0x0a }
+        while from < to, isSpace(line[from]) { from += 1 }
+        while to > from, isSpace(line[to - 1]) { to -= 1 }
+        let value = String(decoding: UnsafeBufferPointer(rebasing: line[from..<to]), as: UTF8.self)
         if let old = headers[name] { headers[name] = old + "," + value } else { headers[name] = value }
     }
 
@@ -157,8 +168,10 @@ struct ContentRange: Equatable {
     }
 
     init?(header: String) {
-        let t = header.trimmingCharacters(in: .whitespaces)
-        guard t.lowercased().hasPrefix("bytes ") else { return nil }
+        var t = Substring(header)
+        while t.first == " " || t.first == "\t" { t = t.dropFirst() }
+        while t.last == " " || t.last == "\t" { t = t.dropLast() }
+        guard t.prefix(6).lowercased() == "bytes " else { return nil }
         let spec = t.dropFirst(6)
         let parts = spec.split(separator: "/", maxSplits: 1)
         guard parts.count == 2 else { return nil }
