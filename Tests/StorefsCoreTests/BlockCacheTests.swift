@@ -66,7 +66,8 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
 
     func readBack(_ o: CachedObject, block: Int, from: Int = 0, count: Int) -> [UInt8]? {
         var out = [UInt8](repeating: 0, count: count)
-        let ok = out.withUnsafeMutableBytes { o.read(block: block, from: from, into: $0) }
+        let offset = Int64(block * o.format.blockSize + from)
+        let ok = out.withUnsafeMutableBytes { o.read(at: offset, into: $0) }
         return ok ? out : nil
     }
 
@@ -102,6 +103,28 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         close(fd)
         #expect(readBack(o, block: 1, count: 4096) == nil)
         #expect(!o.isCached(1) && o.isCached(0))
+    }
+
+    @Test func aReadAcrossBlocksIsOneRunAndEveryBlockIsChecked() throws {
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        let bytes = pattern(10_000)
+        storeAll(o, bytes)
+        #expect(o.cachedBytes(from: 100, upTo: 10_000) == 9_900)
+        var out = [UInt8](repeating: 0, count: 9_000)
+        #expect(out.withUnsafeMutableBytes { o.read(at: 1_000, into: $0) })  // unaligned: through a scratch run
+        #expect(out == Array(bytes[1_000..<10_000]))
+        var whole = [UInt8](repeating: 0, count: 10_000)
+        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })  // aligned: straight into the buffer
+        #expect(whole == bytes)
+        // Damage in the middle of a run fails the whole read and drops only that block.
+        let fd = open(o.path, O_RDWR)
+        var junk: UInt8 = 0xFF
+        #expect(pwrite(fd, &junk, 1, off_t(o.format.blockOffset(1) + 5)) == 1)
+        close(fd)
+        #expect(!whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
+        #expect(o.isCached(0) && !o.isCached(1) && o.isCached(2))
+        #expect(o.cachedBytes(from: 0, upTo: 10_000) == 4096)
     }
 
     @Test func capIsHardAndLeastRecentlyUsedGoesFirst() throws {
@@ -259,6 +282,30 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(store.requests.read == 1 && store.bytesRead == 64 << 10)
         #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: 3_000_100, into: $0) })
         #expect(store.requests.read == 1)
+        reader.closeStream(stream)
+    }
+
+    @Test func readAheadBuffersAreLetGoOnceTheirBytesAreCached() throws {
+        let store = MemoryStore()
+        let bytes = pattern(32 << 20)
+        store.put("f", bytes)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 16 << 20, partSize: 4 << 20, memoryLimit: 64 << 20))
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        for i in 0..<2 {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+        }
+        reader.finishPendingWork(timeout: 10)
+        // The read-ahead (1..5 MiB) landed in the cache and nobody read it yet: no memory is
+        // held for it, and it is served from the cache (readCached never downloads).
+        #expect(reader.budget.inUse == 0)
+        for i in 2..<5 {
+            #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: Int64(i) << 20, into: $0) })
+            #expect(out == Array(bytes[(i << 20)..<((i + 1) << 20)]))
+        }
+        reader.finishPendingWork(timeout: 10)
         reader.closeStream(stream)
     }
 

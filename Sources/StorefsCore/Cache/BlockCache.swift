@@ -318,70 +318,140 @@ final class CachedObject: Sendable {
 
     func isCached(_ block: Int) -> Bool { state.withLock { $0.entries[block].length != 0 } }
 
-    /// Copies bytes `[inBlock, inBlock + dst.count)` of block `block` into `dst` after checking
-    /// the whole block's CRC32C. False (and the block dropped) when it is absent or damaged.
-    func read(block: Int, from inBlock: Int, into dst: UnsafeMutableRawBufferPointer) -> Bool {
+    /// For each block of `blocks`: is it cached?
+    func cachedMask(_ blocks: ClosedRange<Int>) -> [Bool] {
+        state.withLock { s in blocks.map { s.entries[$0].length != 0 } }
+    }
+
+    /// How many bytes from `offset` (at most up to `end`) lie in consecutive cached blocks.
+    func cachedBytes(from offset: Int64, upTo end: Int64) -> Int {
+        let bs = Int64(format.blockSize)
+        let first = Int(offset / bs)
+        let last = Int((end - 1) / bs)
+        let run = state.withLock { s -> Int in
+            var b = first
+            while b <= last, s.entries[b].length != 0 { b += 1 }
+            return b - first
+        }
+        guard run > 0 else { return 0 }
+        return Int(min(end, Int64(first + run) * bs) - offset)
+    }
+
+    /// Asks the kernel to start reading these cached blocks from disk (a sequential reader is
+    /// coming): the disk then streams ahead instead of being asked one request at a time.
+    func willNeed(blocks: ClosedRange<Int>) {
+        let fd = state.withLock { $0.fd }
+        guard fd >= 0 else { return }
+        let from = format.blockOffset(blocks.lowerBound)
+        let to = format.blockOffset(blocks.upperBound) + Int64(format.blockLength(blocks.upperBound))
+        _ = posix_fadvise(fd, off_t(from), off_t(to - from), POSIX_FADV_WILLNEED)
+    }
+
+    /// Copies bytes `[offset, offset + dst.count)` of the object into `dst` with one disk read,
+    /// after checking the CRC32C of every block they touch. False (and a damaged block dropped)
+    /// when any of them is absent or fails its check.
+    func read(at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
+        guard dst.count > 0 else { return true }
+        let bs = Int64(format.blockSize)
+        let first = Int(offset / bs)
+        let last = Int((offset + Int64(dst.count) - 1) / bs)
         let t = cache.tick()
-        let (entry, fd) = state.withLock { s -> (CacheFileFormat.Entry, Int32) in
-            s.ticks[block] = t
-            return (s.entries[block], s.fd)
+        var crcs = [UInt32](repeating: 0, count: last - first + 1)
+        let fd = state.withLock { s -> Int32 in
+            for b in first...last {
+                let e = s.entries[b]
+                if e.length == 0 { return -1 }
+                crcs[b - first] = e.crc
+                s.ticks[b] = t
+            }
+            return s.fd
         }
-        guard entry.length != 0, fd >= 0 else { return false }
-        let length = Int(entry.length)
-        let whole = inBlock == 0 && dst.count == length
-        let scratch = whole ? dst : UnsafeMutableRawBufferPointer.allocate(byteCount: length, alignment: 16)
-        defer { if !whole { scratch.deallocate() } }
-        let n = pread(fd, scratch.baseAddress, length, off_t(format.blockOffset(block)))
-        guard n == length, Checksum.crc32c(UnsafeRawBufferPointer(scratch)) == entry.crc else {
-            Log.debug("cache block failed verification object=\(hex.prefix(12)) block=\(block): refetching")
-            _ = dropIfUnchanged(block: block, entry: entry)
-            return false
+        guard fd >= 0 else { return false }
+        let runStart = Int64(first) * bs
+        let runLength = Int(min(format.objectSize, Int64(last + 1) * bs) - runStart)
+        let direct = offset == runStart && dst.count == runLength
+        let scratch = direct ? dst : UnsafeMutableRawBufferPointer.allocate(byteCount: runLength, alignment: 4096)
+        defer { if !direct { scratch.deallocate() } }
+        guard pread(fd, scratch.baseAddress, runLength, off_t(format.blockOffset(first))) == runLength else { return false }
+        for b in first...last {
+            let at = Int(Int64(b) * bs - runStart)
+            let block = UnsafeRawBufferPointer(rebasing: scratch[at..<(at + format.blockLength(b))])
+            if Checksum.crc32c(block) != crcs[b - first] {
+                Log.debug("cache block failed verification object=\(hex.prefix(12)) block=\(b): refetching")
+                _ = dropIfUnchanged(block: b, entry: CacheFileFormat.Entry(crc: crcs[b - first], length: UInt32(block.count)))
+                return false
+            }
         }
-        if !whole {
-            dst.copyMemory(from: UnsafeRawBufferPointer(rebasing: scratch[inBlock..<(inBlock + dst.count)]))
+        if !direct {
+            let skip = Int(offset - runStart)
+            dst.copyMemory(from: UnsafeRawBufferPointer(rebasing: scratch[skip..<(skip + dst.count)]))
         }
         return true
     }
 
-    /// Stores whole blocks starting at `first` from `bytes` (which hold exactly those blocks).
+    /// Stores whole blocks starting at `first` from `bytes` (which hold exactly those blocks):
+    /// each run of absent blocks with one data write and one index write.
     func store(first: Int, _ bytes: UnsafeRawBufferPointer) {
-        var offset = 0
-        var block = first
-        while offset < bytes.count {
-            let length = format.blockLength(block)
+        let bs = format.blockSize
+        let count = (bytes.count + bs - 1) / bs
+        let maxRun = max(1, (1 << 20) / bs)  // at most 1 MiB reserved (and evicted for) at once
+        var b = first
+        while b < first + count {
             if cache.isDegraded { return }
-            let slice = UnsafeRawBufferPointer(rebasing: bytes[offset..<(offset + length)])
-            defer { offset += length; block += 1 }
-            if isCached(block) { continue }
-            let cost = Self.diskBytes(length)
+            // The next run of blocks not cached yet.
+            let (runFirst, runEnd) = state.withLock { s -> (Int, Int) in
+                var a = b
+                while a < first + count, s.entries[a].length != 0 { a += 1 }
+                var e = a
+                while e < first + count, e - a < maxRun, s.entries[e].length == 0 { e += 1 }
+                return (a, e)
+            }
+            if runFirst >= runEnd { return }
+            b = runEnd
+            let from = (runFirst - first) * bs
+            let to = min(bytes.count, (runEnd - first) * bs)
+            let run = UnsafeRawBufferPointer(rebasing: bytes[from..<to])
+            var entries: [CacheFileFormat.Entry] = []
+            entries.reserveCapacity(runEnd - runFirst)
+            var cost: Int64 = 0
+            for k in runFirst..<runEnd {
+                let length = format.blockLength(k)
+                let at = (k - runFirst) * bs
+                let crc = Checksum.crc32c(UnsafeRawBufferPointer(rebasing: run[at..<(at + length)]))
+                entries.append(CacheFileFormat.Entry(crc: crc, length: UInt32(length)))
+                cost += Self.diskBytes(length)
+            }
             guard cache.reserve(cost) else { return }
-            let crc = Checksum.crc32c(slice)
             let fd = state.withLock { $0.fd }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return
             }
-            guard pwrite(fd, slice.baseAddress, length, off_t(format.blockOffset(block))) == length else {
+            // Data first, then the index entries: a crash in between leaves blocks that are
+            // simply absent.
+            guard pwrite(fd, run.baseAddress, run.count, off_t(format.blockOffset(runFirst))) == run.count else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
                 return
             }
-            let entry = CacheFileFormat.Entry(crc: crc, length: UInt32(length))
-            let encoded = CacheFileFormat.encode(entry)
-            let written = encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(block))) }
+            let encoded = CacheFileFormat.encode(entries)
+            let written = encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(runFirst))) }
             guard written == encoded.count else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cache index entry: \(String(cString: strerror(errno)))")
                 return
             }
             let t = cache.tick()
-            let duplicate = state.withLock { s -> Bool in
-                let had = s.entries[block].length != 0
-                s.entries[block] = entry
-                s.ticks[block] = t
-                return had
+            let duplicate = state.withLock { s -> Int64 in
+                var dup: Int64 = 0
+                for k in runFirst..<runEnd {
+                    if s.entries[k].length != 0 { dup += Self.diskBytes(Int(s.entries[k].length)) }
+                    s.entries[k] = entries[k - runFirst]
+                    s.ticks[k] = t
+                }
+                return dup
             }
-            if duplicate { cache.unreserve(cost) }
+            if duplicate > 0 { cache.unreserve(duplicate) }
         }
     }
 

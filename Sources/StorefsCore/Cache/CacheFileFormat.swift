@@ -84,6 +84,16 @@ struct CacheFileFormat: Equatable {
         return b
     }
 
+    /// Consecutive entries, as they lie in the index.
+    static func encode(_ entries: [Entry]) -> [UInt8] {
+        var b = [UInt8](repeating: 0, count: entrySize * entries.count)
+        for (i, e) in entries.enumerated() {
+            put(&b, i * entrySize, UInt64(e.crc), bytes: 4)
+            put(&b, i * entrySize + 4, UInt64(e.length), bytes: 4)
+        }
+        return b
+    }
+
     static func decodeEntries(_ b: [UInt8], count: Int) -> [Entry] {
         (0..<count).map { i in
             Entry(crc: UInt32(get(b, i * entrySize, bytes: 4)), length: UInt32(get(b, i * entrySize + 4, bytes: 4)))

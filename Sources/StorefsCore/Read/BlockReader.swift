@@ -18,7 +18,7 @@ public final class BlockReader: Sendable {
         public var partSize: Int64
         public var memoryLimit: Int64
 
-        public init(blockSize: Int = 64 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
+        public init(blockSize: Int = 16 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
                     partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20) {
             self.blockSize = blockSize
             self.readAhead = readAhead
@@ -35,13 +35,13 @@ public final class BlockReader: Sendable {
     let endpoint: String
     let budget: MemoryBudget
     let buffers: FlightBufferPool
-    private let flights = Mutex([FlightKey: Flight]())
+    /// The downloads in flight (or finished and not yet read), per object generation.
+    private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
     private let pool = Mutex<WorkerPool?>(nil)
 
-    struct FlightKey: Hashable {
+    struct ObjectKey: Hashable {
         var object: String
         var generation: Int64
-        var block: Int
     }
 
     public init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config) {
@@ -52,7 +52,7 @@ public final class BlockReader: Sendable {
         budget = MemoryBudget(limit: config.memoryLimit)
         let part = Int(max(config.partSize, Int64(config.blockSize)))
         buffers = FlightBufferPool(regionSize: max(part, FuseLimits.maxRequest + config.blockSize),
-                                   keep: max(2, min(config.parallel * 2, Int(config.memoryLimit) / part)))
+                                   keep: max(2, min(config.parallel + 1, Int(config.memoryLimit) / part)))
     }
 
     /// Prefetch threads start on first use, after the daemon has forked.
@@ -72,15 +72,17 @@ public final class BlockReader: Sendable {
         }
     }
 
-    /// Per-open-file state: the generation's cache entry and the sequential detector.
+    /// Per-open-file state: the generation's cache entry, its flights and the sequential detector.
     final class Stream: Sendable {
         let meta: ObjectMetadata
         let cached: CachedObject?
+        let flights: FlightTable
         let detector: Mutex<Prefetcher>
 
-        init(meta: ObjectMetadata, cached: CachedObject?, detector: Prefetcher) {
+        init(meta: ObjectMetadata, cached: CachedObject?, flights: FlightTable, detector: Prefetcher) {
             self.meta = meta
             self.cached = cached
+            self.flights = flights
             self.detector = Mutex(detector)
         }
     }
@@ -88,11 +90,29 @@ public final class BlockReader: Sendable {
     func openStream(_ meta: ObjectMetadata) -> Stream {
         let cached = meta.size > 0 ? cache?.acquire(endpoint: endpoint, meta: meta) : nil
         let minWindow = min(config.partSize, config.readAhead)
-        return Stream(meta: meta, cached: cached, detector: Prefetcher(minWindow: minWindow, maxWindow: config.readAhead))
+        let key = ObjectKey(object: meta.name, generation: meta.generation)
+        let table = tables.withLock { t -> FlightTable in
+            let entry = t[key] ?? (FlightTable(), 0)
+            t[key] = (entry.table, entry.streams + 1)
+            return entry.table
+        }
+        return Stream(meta: meta, cached: cached, flights: table,
+                      detector: Prefetcher(minWindow: minWindow, maxWindow: config.readAhead))
     }
 
     func closeStream(_ stream: Stream) {
-        dropFinished(of: stream.meta)
+        let key = ObjectKey(object: stream.meta.name, generation: stream.meta.generation)
+        let last = tables.withLock { t -> Bool in
+            guard let entry = t[key] else { return false }
+            if entry.streams <= 1 {
+                t.removeValue(forKey: key)
+                return true
+            }
+            t[key] = (entry.table, entry.streams - 1)
+            return false
+        }
+        // Read-ahead nobody will read goes; downloads still running finish on their own.
+        if last { stream.flights.dropFinished() }
         if let c = stream.cached { cache?.release(c) }
     }
 
@@ -109,50 +129,39 @@ public final class BlockReader: Sendable {
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
-            let block = Int(pos / Int64(blockSize))
-            let inBlock = Int(pos - Int64(block) * Int64(blockSize))
-            let take = Int(min(end - pos, Int64(blockLength(stream.meta, block) - inBlock)))
-            let out = UnsafeMutableRawBufferPointer(rebasing: dst[Int(pos - offset)..<(Int(pos - offset) + take)])
-            if copyFromFinishedFlight(stream, block: block, inBlock: inBlock, into: out) {
-                pos += Int64(take)
+            // A sequential reader usually arrives just after its read-ahead landed: it copies
+            // from the download's buffer (no disk read, no second CRC pass).
+            if let flight = stream.flights.flight(for: Int(pos / Int64(blockSize))), case .success? = flight.finished {
+                pos += copy(from: flight, stream, at: pos, upTo: end, into: dst, dstOffset: offset)
                 continue
             }
-            guard let cached = stream.cached, cached.read(block: block, from: inBlock, into: out) else { return false }
-            pos += Int64(take)
+            guard let cached = stream.cached else { return false }
+            let n = cached.cachedBytes(from: pos, upTo: end)
+            guard n > 0, cached.read(at: pos, into: slice(dst, Int(pos - offset), n)) else { return false }
+            pos += Int64(n)
         }
         return true
     }
 
-    /// A sequential reader usually arrives just after its read-ahead landed: it copies from the
-    /// download's buffer (no disk read, no second CRC pass). The download is let go once its
-    /// last block has been read.
-    private func copyFromFinishedFlight(_ stream: Stream, block: Int, inBlock: Int, into out: UnsafeMutableRawBufferPointer) -> Bool {
-        let key = FlightKey(object: stream.meta.name, generation: stream.meta.generation, block: block)
-        guard let flight = flights.withLock({ $0[key] }), case .success? = flight.finished else { return false }
-        let at = (block - flight.firstBlock) * blockSize + inBlock
-        out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + out.count)]))
-        if block == flight.lastBlock && inBlock + out.count == blockLength(stream.meta, block), flight.markConsumed() {
-            forget(flight, stream.meta)
-        }
-        return true
+    private func slice(_ dst: UnsafeMutableRawBufferPointer, _ at: Int, _ count: Int) -> UnsafeMutableRawBufferPointer {
+        UnsafeMutableRawBufferPointer(rebasing: dst[at..<(at + count)])
     }
 
-    private func forget(_ flight: Flight, _ meta: ObjectMetadata) {
-        flights.withLock { f in
-            for k in flight.firstBlock...flight.lastBlock {
-                let key = FlightKey(object: meta.name, generation: meta.generation, block: k)
-                if f[key] === flight { f.removeValue(forKey: key) }
-            }
-        }
+    /// Copies what a finished flight holds from `pos` on (up to `end`); returns the bytes copied.
+    /// The flight is let go once a reader has copied up to its end and the disk copy is made.
+    private func copy(from flight: Flight, _ stream: Stream, at pos: Int64, upTo end: Int64,
+                      into dst: UnsafeMutableRawBufferPointer, dstOffset: Int64) -> Int64 {
+        let flightEnd = flight.start + Int64(flight.buffer.count)
+        let n = Int(min(end, flightEnd) - pos)
+        let at = Int(pos - flight.start)
+        slice(dst, Int(pos - dstOffset), n).copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + n)]))
+        if pos + Int64(n) == flightEnd, flight.markConsumed() { stream.flights.forget(flight) }
+        return Int64(n)
     }
 
-    /// Lets go of finished read-ahead nobody has read yet (memory budget pressure, close).
-    private func dropFinished(of meta: ObjectMetadata? = nil) {
-        flights.withLock { f in
-            for (key, flight) in f where flight.finished != nil && (meta == nil || (key.object == meta!.name && key.generation == meta!.generation)) {
-                f.removeValue(forKey: key)
-            }
-        }
+    /// Lets go of finished read-ahead nobody has read yet (memory budget pressure).
+    private func dropFinished() {
+        for table in tables.withLock({ $0.values.map(\.table) }) { table.dropFinished() }
     }
 
     /// Serves the read, downloading what is missing. `observed` is true when `readCached`
@@ -160,18 +169,17 @@ public final class BlockReader: Sendable {
     func read(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer, observed: Bool,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         if !observed { observe(stream, offset: offset, count: dst.count) }
-        let meta = stream.meta
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
-            let block = Int(pos / Int64(blockSize))
-            let inBlock = Int(pos - Int64(block) * Int64(blockSize))
-            let take = Int(min(end - pos, Int64(blockLength(meta, block) - inBlock)))
-            let out = UnsafeMutableRawBufferPointer(rebasing: dst[Int(pos - offset)..<(Int(pos - offset) + take)])
-            if let cached = stream.cached, cached.read(block: block, from: inBlock, into: out) {
-                pos += Int64(take)
-                continue
+            if let cached = stream.cached {
+                let n = cached.cachedBytes(from: pos, upTo: end)
+                if n > 0, cached.read(at: pos, into: slice(dst, Int(pos - offset), n)) {
+                    pos += Int64(n)
+                    continue
+                }
             }
+            let block = Int(pos / Int64(blockSize))
             let lastBlock = Int((end - 1) / Int64(blockSize))
             let (flight, mine) = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
             if mine { execute(flight, stream, isCancelled: isCancelled ?? { false }) }
@@ -180,10 +188,7 @@ public final class BlockReader: Sendable {
             }
             switch outcome {
             case .success:
-                let at = (block - flight.firstBlock) * blockSize + inBlock
-                out.copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + take)]))
-                if block == flight.lastBlock, flight.markConsumed() { forget(flight, meta) }
-                pos += Int64(take)
+                pos += copy(from: flight, stream, at: pos, upTo: end, into: dst, dstOffset: offset)
             case .failure(let error):
                 // Someone else's download was cancelled: make our own on the next turn.
                 if error.code == .cancelled && !mine { continue }
@@ -194,7 +199,10 @@ public final class BlockReader: Sendable {
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
         let ahead = stream.detector.withLock { $0.observe(offset: offset, count: count, size: stream.meta.size) }
-        if let ahead { schedule(stream, ahead) }
+        if let ahead, let stopped = schedule(stream, ahead) {
+            // Out of memory budget: the rest of the window is tried again on the next read.
+            stream.detector.withLock { $0.unscheduled(from: stopped) }
+        }
     }
 
     /// The flight that will bring `block`: an existing one, or a new demand download of the
@@ -202,11 +210,9 @@ public final class BlockReader: Sendable {
     private func flightFor(_ stream: Stream, block: Int, through lastBlock: Int,
                            isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> (Flight, Bool) {
         let meta = stream.meta
-        let key = FlightKey(object: meta.name, generation: meta.generation, block: block)
-        if let existing = flights.withLock({ $0[key] }) { return (existing, false) }
+        if let existing = stream.flights.flight(for: block) { return (existing, false) }
         var last = block
-        while last < lastBlock, !(stream.cached?.isCached(last + 1) ?? false),
-              flights.withLock({ $0[FlightKey(object: meta.name, generation: meta.generation, block: last + 1)] }) == nil {
+        while last < lastBlock, !(stream.cached?.isCached(last + 1) ?? false), stream.flights.flight(for: last + 1) == nil {
             last += 1
         }
         let start = Int64(block) * Int64(blockSize)
@@ -215,46 +221,52 @@ public final class BlockReader: Sendable {
             throw StorageError(.cancelled, "read interrupted while waiting for memory")
         }
         let flight = Flight(firstBlock: block, blockCount: last - block + 1, start: start, length: length, budget: budget, pool: buffers)
-        let winner: Flight = flights.withLock { f in
-            if let raced = f[key] { return raced }
-            for b in block...last { f[FlightKey(object: meta.name, generation: meta.generation, block: b)] = flight }
-            return flight
-        }
-        return (winner, winner === flight)
+        if let raced = stream.flights.register(flight, orExistingFor: block) { return (raced, false) }
+        return (flight, true)
     }
 
     /// Schedules read-ahead downloads for the bytes in `range`, in parts, skipping blocks that
-    /// are cached or already coming; stops where the memory budget is used up.
-    private func schedule(_ stream: Stream, _ range: Range<Int64>) {
+    /// are cached or already coming; stops where the memory budget is used up and returns where
+    /// it stopped (nil when all of it is scheduled). Cached runs in the window are read from
+    /// disk ahead of the reader instead. Called on FUSE threads by many readers at once: it
+    /// looks at the cache index and the flight table once each, not once per block.
+    private func schedule(_ stream: Stream, _ range: Range<Int64>) -> Int64? {
         let meta = stream.meta
         let first = Int(range.lowerBound / Int64(blockSize))
         let last = Int((range.upperBound - 1) / Int64(blockSize))
         let perPart = max(1, Int(config.partSize / Int64(blockSize)))
+        let cachedMask = stream.cached?.cachedMask(first...last) ?? [Bool](repeating: false, count: last - first + 1)
+        let comingMask = stream.flights.coveredMask(first...last)
+        func cached(_ b: Int) -> Bool { cachedMask[b - first] }
+        func taken(_ b: Int) -> Bool { cachedMask[b - first] || comingMask[b - first] }
         var b = first
         while b <= last {
-            if stream.cached?.isCached(b) ?? false
-                || flights.withLock({ $0[FlightKey(object: meta.name, generation: meta.generation, block: b)] }) != nil {
+            if let c = stream.cached, cached(b) {
+                var end = b
+                while end < last, cached(end + 1) { end += 1 }
+                let blocks = b...end
+                c.open()
+                prefetchPool.submit { [self] in
+                    c.willNeed(blocks: blocks)
+                    self.cache?.release(c)
+                }
+                b = end + 1
+                continue
+            }
+            if taken(b) {
                 b += 1
                 continue
             }
             var end = b
-            while end < last, end - b + 1 < perPart, !(stream.cached?.isCached(end + 1) ?? false),
-                  flights.withLock({ $0[FlightKey(object: meta.name, generation: meta.generation, block: end + 1)] }) == nil {
-                end += 1
-            }
+            while end < last, end - b + 1 < perPart, !taken(end + 1) { end += 1 }
             let start = Int64(b) * Int64(blockSize)
             let length = Int(min(meta.size, Int64(end + 1) * Int64(blockSize)) - start)
             if !budget.tryAcquire(Int64(length)) {
                 dropFinished()
-                guard budget.tryAcquire(Int64(length)) else { return }
+                guard budget.tryAcquire(Int64(length)) else { return start }
             }
             let flight = Flight(firstBlock: b, blockCount: end - b + 1, start: start, length: length, budget: budget, pool: buffers)
-            let registered: Bool = flights.withLock { f in
-                for k in b...end where f[FlightKey(object: meta.name, generation: meta.generation, block: k)] != nil { return false }
-                for k in b...end { f[FlightKey(object: meta.name, generation: meta.generation, block: k)] = flight }
-                return true
-            }
-            if registered {
+            if stream.flights.registerIfFree(flight) {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
                 prefetchPool.submit { [self] in
@@ -264,6 +276,7 @@ public final class BlockReader: Sendable {
             }
             b = end + 1
         }
+        return nil
     }
 
     /// Downloads a flight's bytes, stores them in the cache, then wakes its waiters.
@@ -276,7 +289,7 @@ public final class BlockReader: Sendable {
             try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.buffer,
                            isCancelled: isCancelled)
         } catch {
-            forget(flight, meta)  // the next reader tries afresh
+            stream.flights.forget(flight)  // the next reader tries afresh
             flight.finish(.failure(error))
             return
         }
@@ -300,8 +313,62 @@ public final class BlockReader: Sendable {
     }
 
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
-        stream.cached?.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
-        if flight.markStored() { forget(flight, stream.meta) }
+        if let cached = stream.cached {
+            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+            // Once its bytes are in the cache the buffer has done its job: readers take them
+            // from there, so memory holds downloads in progress, not the whole read-ahead window.
+            let end = flight.start + Int64(flight.buffer.count)
+            if cached.cachedBytes(from: flight.start, upTo: end) == flight.buffer.count {
+                stream.flights.forget(flight)
+                return
+            }
+        }
+        if flight.markStored() { stream.flights.forget(flight) }
+    }
+}
+
+/// The flights of one object generation, by block: every block of a flight maps to it.
+final class FlightTable: Sendable {
+    private let byBlock = Mutex([Int: Flight]())
+
+    func flight(for block: Int) -> Flight? { byBlock.withLock { $0[block] } }
+
+    /// Registers `flight` for its blocks unless `block` already has one (returned instead).
+    func register(_ flight: Flight, orExistingFor block: Int) -> Flight? {
+        byBlock.withLock { f in
+            if let raced = f[block] { return raced }
+            for k in flight.firstBlock...flight.lastBlock { f[k] = flight }
+            return nil
+        }
+    }
+
+    /// Registers `flight` if none of its blocks has a flight yet.
+    func registerIfFree(_ flight: Flight) -> Bool {
+        byBlock.withLock { f in
+            for k in flight.firstBlock...flight.lastBlock where f[k] != nil { return false }
+            for k in flight.firstBlock...flight.lastBlock { f[k] = flight }
+            return true
+        }
+    }
+
+    /// For each block of `blocks`: does a flight bring it?
+    func coveredMask(_ blocks: ClosedRange<Int>) -> [Bool] {
+        byBlock.withLock { f in
+            if f.isEmpty { return [Bool](repeating: false, count: blocks.count) }
+            return blocks.map { f[$0] != nil }
+        }
+    }
+
+    func forget(_ flight: Flight) {
+        byBlock.withLock { f in
+            for k in flight.firstBlock...flight.lastBlock where f[k] === flight { f.removeValue(forKey: k) }
+        }
+    }
+
+    func dropFinished() {
+        byBlock.withLock { f in
+            for (k, flight) in f where flight.finished != nil { f.removeValue(forKey: k) }
+        }
     }
 }
 

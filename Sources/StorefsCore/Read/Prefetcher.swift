@@ -51,4 +51,9 @@ struct Prefetcher {
         scheduledUntil = to
         return from..<to
     }
+
+    /// The window from `offset` on could not be scheduled (memory budget): offer it again.
+    mutating func unscheduled(from offset: Int64) {
+        scheduledUntil = min(scheduledUntil, offset)
+    }
 }
