@@ -276,6 +276,10 @@ final class CachedObject: Sendable {
     }
 
     private let state: Mutex<State>
+    /// One writer per file at a time: concurrent buffered writes into one file queue on its
+    /// inode lock, and the kernel spins waiting for it (with 4 read-ahead threads that spinning
+    /// cost more CPU than the copies). A sleeping lock of our own is cheaper.
+    private let writing = NSLock()
 
     init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, entries: [CacheFileFormat.Entry], tick: UInt64) {
         self.cache = cache
@@ -392,6 +396,8 @@ final class CachedObject: Sendable {
     /// Stores whole blocks starting at `first` from `bytes` (which hold exactly those blocks):
     /// each run of absent blocks with one data write and one index write.
     func store(first: Int, _ bytes: UnsafeRawBufferPointer) {
+        writing.lock()
+        defer { writing.unlock() }
         let bs = format.blockSize
         let count = (bytes.count + bs - 1) / bs
         let maxRun = max(1, (1 << 20) / bs)  // at most 1 MiB reserved (and evicted for) at once
