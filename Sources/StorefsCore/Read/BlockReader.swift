@@ -52,7 +52,7 @@ public final class BlockReader: Sendable {
         budget = MemoryBudget(limit: config.memoryLimit)
         let part = Int(max(config.partSize, Int64(config.blockSize)))
         buffers = FlightBufferPool(regionSize: max(part, FuseLimits.maxRequest + config.blockSize),
-                                   keep: max(2, min(config.parallel + 1, Int(config.memoryLimit) / part)))
+                                   keep: max(2, min(config.parallel, Int(config.memoryLimit) / part)))
     }
 
     /// Prefetch threads start on first use, after the daemon has forked.
@@ -151,7 +151,7 @@ public final class BlockReader: Sendable {
     /// The flight is let go once a reader has copied up to its end and the disk copy is made.
     private func copy(from flight: Flight, _ stream: Stream, at pos: Int64, upTo end: Int64,
                       into dst: UnsafeMutableRawBufferPointer, dstOffset: Int64) -> Int64 {
-        let flightEnd = flight.start + Int64(flight.buffer.count)
+        let flightEnd = flight.end
         let n = Int(min(end, flightEnd) - pos)
         let at = Int(pos - flight.start)
         slice(dst, Int(pos - dstOffset), n).copyMemory(from: UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + n)]))
@@ -286,7 +286,7 @@ public final class BlockReader: Sendable {
         let meta = stream.meta
         let t0 = now()
         do throws(StorageError) {
-            try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.buffer,
+            try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.beginDownload(),
                            isCancelled: isCancelled)
         } catch {
             stream.flights.forget(flight)  // the next reader tries afresh
@@ -297,7 +297,7 @@ public final class BlockReader: Sendable {
         // lives as long as this call holds the flight). The flight stays registered until a
         // reader has copied its last block, or memory runs short.
         flight.finish(.success(()))
-        Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.buffer.count) get_us=\(Int((now() - t0) * 1e6))")
+        Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.length) get_us=\(Int((now() - t0) * 1e6))")
         if isCancelled != nil {
             // A reader made this download and is waiting to reply: write the cache copy on a
             // prefetch thread instead of in front of that reply.
@@ -317,8 +317,7 @@ public final class BlockReader: Sendable {
             cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
             // Once its bytes are in the cache the buffer has done its job: readers take them
             // from there, so memory holds downloads in progress, not the whole read-ahead window.
-            let end = flight.start + Int64(flight.buffer.count)
-            if cached.cachedBytes(from: flight.start, upTo: end) == flight.buffer.count {
+            if cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
                 stream.flights.forget(flight)
                 return
             }

@@ -10,7 +10,10 @@ final class Flight: @unchecked Sendable {
     let firstBlock: Int
     let blockCount: Int
     let start: Int64
-    let buffer: UnsafeMutableRawBufferPointer
+    let length: Int
+    /// Taken from the pool when the download starts (`beginDownload`), so read-ahead queued
+    /// behind busy threads holds budget but no memory. Readers use it only after `finish`.
+    private(set) var buffer = UnsafeMutableRawBufferPointer(start: nil, count: 0)
     private let budget: MemoryBudget
     private let condition = NSCondition()
     private var outcome: Result<Void, StorageError>?
@@ -23,15 +26,25 @@ final class Flight: @unchecked Sendable {
         self.firstBlock = firstBlock
         self.blockCount = blockCount
         self.start = start
+        self.length = length
         self.budget = budget
         self.pool = pool
-        buffer = pool.take(length)
     }
 
     deinit {
-        pool.give(buffer)
-        budget.release(Int64(buffer.count))
+        if buffer.baseAddress != nil { pool.give(buffer) }
+        budget.release(Int64(length))
     }
+
+    /// The buffer to download into; called once, by the thread that runs the download.
+    func beginDownload() -> UnsafeMutableRawBufferPointer {
+        condition.lock()
+        defer { condition.unlock() }
+        if buffer.baseAddress == nil { buffer = pool.take(length) }
+        return buffer
+    }
+
+    var end: Int64 { start + Int64(length) }
 
     func contains(block: Int) -> Bool { block >= firstBlock && block < firstBlock + blockCount }
 
