@@ -234,9 +234,12 @@ func makeOperations() -> fuse_lowlevel_ops {
             defer { ctx.inFlight.subtract(1, ordering: .releasing) }
             let buffer = lease.buffer
             defer { ctx.buffers.give(buffer) }
+            let later = AfterReply()
+            defer { later.run() }  // the cache copy, after the reply
             do {
                 let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
-                                        alreadyNoted: true, isCancelled: { fuse_req_interrupted(r.raw) != 0 })
+                                        alreadyNoted: true, isCancelled: { fuse_req_interrupted(r.raw) != 0 },
+                                        afterReply: later)
                 _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
             } catch let e as FilesystemError {
                 reply(r.raw, e)

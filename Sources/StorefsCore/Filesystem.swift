@@ -441,13 +441,17 @@ public final class Filesystem: Sendable {
 
     /// Reads up to `buffer.count` bytes at `offset` of an open file into `buffer`; returns the
     /// count (0 at or past the end). Blocks on the network on a miss: call from a worker.
+    /// `afterReply`, when given, collects work (the cache copy of a download) that the caller
+    /// runs once it has replied, on the same thread: no hand-off in front of the reply or after it.
     public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                     alreadyNoted: Bool = false, isCancelled: (@Sendable () -> Bool)? = nil) throws(FilesystemError) -> Int {
+                     alreadyNoted: Bool = false, isCancelled: (@Sendable () -> Bool)? = nil,
+                     afterReply: AfterReply? = nil) throws(FilesystemError) -> Int {
         let file = try openFile(handle)
         let meta = file.meta
         guard let window = try clamp(meta, offset, buffer) else { return 0 }
         do throws(StorageError) {
-            try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled)
+            try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled,
+                            afterReply: afterReply)
         } catch {
             if error.code == .cancelled {
                 Log.debug("op=read object=\(meta.name) offset=\(offset) interrupted")

@@ -167,7 +167,7 @@ public final class BlockReader: Sendable {
     /// Serves the read, downloading what is missing. `observed` is true when `readCached`
     /// already recorded this read for read-ahead.
     func read(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer, observed: Bool,
-              isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+              isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply? = nil) throws(StorageError) {
         if !observed { observe(stream, offset: offset, count: dst.count) }
         var pos = offset
         let end = offset + Int64(dst.count)
@@ -182,7 +182,7 @@ public final class BlockReader: Sendable {
             let block = Int(pos / Int64(blockSize))
             let lastBlock = Int((end - 1) / Int64(blockSize))
             let (flight, mine) = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
-            if mine { execute(flight, stream, isCancelled: isCancelled ?? { false }) }
+            if mine { execute(flight, stream, isCancelled: isCancelled ?? { false }, afterReply: afterReply) }
             guard let outcome = flight.wait(isCancelled: isCancelled) else {
                 throw StorageError(.cancelled, "read interrupted")
             }
@@ -282,7 +282,8 @@ public final class BlockReader: Sendable {
     /// Downloads a flight's bytes, stores them in the cache, then wakes its waiters.
     /// `isCancelled` is the interrupted-check of the reader that made a demand download (nil for
     /// read-ahead); other waiters of a cancelled download make their own.
-    private func execute(_ flight: Flight, _ stream: Stream, isCancelled: (@Sendable () -> Bool)?) {
+    private func execute(_ flight: Flight, _ stream: Stream, isCancelled: (@Sendable () -> Bool)?,
+                         afterReply: AfterReply? = nil) {
         let meta = stream.meta
         let t0 = now()
         do throws(StorageError) {
@@ -299,14 +300,16 @@ public final class BlockReader: Sendable {
         flight.finish(.success(()))
         Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.length) get_us=\(Int((now() - t0) * 1e6))")
         if isCancelled != nil {
-            // A reader made this download and is waiting to reply: write the cache copy on a
-            // prefetch thread instead of in front of that reply.
+            // A reader made this download and is waiting to reply: the cache copy is written
+            // after that reply, by the same thread when it can wait (a hand-off to another
+            // thread costs a wake-up here), else on a prefetch thread.
             // It keeps the cache file open: the reader may close its file before this runs.
             stream.cached?.open()
-            prefetchPool.submit { [self] in
+            let store: @Sendable () -> Void = { [self] in
                 self.storeToCache(flight, stream)
                 if let c = stream.cached { self.cache?.release(c) }
             }
+            if let afterReply { afterReply.add(store) } else { prefetchPool.submit(store) }
         } else {
             storeToCache(flight, stream)
         }
@@ -323,6 +326,21 @@ public final class BlockReader: Sendable {
             }
         }
         if flight.markStored() { stream.flights.forget(flight) }
+    }
+}
+
+/// Work a reader's thread does once it has replied (see `Filesystem.read`).
+public final class AfterReply: @unchecked Sendable {
+    private var work: [@Sendable () -> Void] = []
+
+    public init() {}
+
+    func add(_ job: @escaping @Sendable () -> Void) { work.append(job) }
+
+    /// Runs what was collected; the thread that made the reads calls it, once.
+    public func run() {
+        for job in work { job() }
+        work.removeAll()
     }
 }
 
