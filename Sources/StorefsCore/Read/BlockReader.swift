@@ -35,6 +35,7 @@ public final class BlockReader: Sendable {
     let endpoint: String
     let budget: MemoryBudget
     let buffers: FlightBufferPool
+    let requestBuffers: FlightBufferPool
     /// The downloads in flight (or finished and not yet read), per object generation.
     private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
     private let pool = Mutex<WorkerPool?>(nil)
@@ -51,8 +52,18 @@ public final class BlockReader: Sendable {
         self.config = config
         budget = MemoryBudget(limit: config.memoryLimit)
         let part = Int(max(config.partSize, Int64(config.blockSize)))
-        buffers = FlightBufferPool(regionSize: max(part, FuseLimits.maxRequest + config.blockSize),
+        let request = FuseLimits.maxRequest + config.blockSize
+        buffers = FlightBufferPool(regionSize: max(part, request),
                                    keep: max(2, min(config.parallel, Int(config.memoryLimit) / part)))
+        requestBuffers = FlightBufferPool(regionSize: request, keep: 8)
+    }
+
+    /// Read-ahead parts take part-sized regions; demand downloads (at most one FUSE request
+    /// plus a block) take small ones. One pool for both let a 16 KiB miss hold a recycled,
+    /// fully resident 8 MiB region, so memory was no longer bounded by `memory_limit`.
+    private func newFlight(first: Int, last: Int, start: Int64, length: Int) -> Flight {
+        let pool = length <= requestBuffers.regionSize ? requestBuffers : buffers
+        return Flight(firstBlock: first, blockCount: last - first + 1, start: start, length: length, budget: budget, pool: pool)
     }
 
     /// Prefetch threads start on first use, after the daemon has forked.
@@ -220,7 +231,7 @@ public final class BlockReader: Sendable {
         guard budget.acquire(Int64(length), isCancelled: isCancelled) else {
             throw StorageError(.cancelled, "read interrupted while waiting for memory")
         }
-        let flight = Flight(firstBlock: block, blockCount: last - block + 1, start: start, length: length, budget: budget, pool: buffers)
+        let flight = newFlight(first: block, last: last, start: start, length: length)
         if let raced = stream.flights.register(flight, orExistingFor: block) { return (raced, false) }
         return (flight, true)
     }
@@ -265,7 +276,7 @@ public final class BlockReader: Sendable {
                 dropFinished()
                 guard budget.tryAcquire(Int64(length)) else { return start }
             }
-            let flight = Flight(firstBlock: b, blockCount: end - b + 1, start: start, length: length, budget: budget, pool: buffers)
+            let flight = newFlight(first: b, last: end, start: start, length: length)
             if stream.flights.registerIfFree(flight) {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
