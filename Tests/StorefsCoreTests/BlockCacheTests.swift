@@ -309,6 +309,27 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.closeStream(stream)
     }
 
+    @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {
+        let store = MemoryStore()
+        let bytes = pattern(16 << 20)
+        store.put("f", bytes)
+        let reader = BlockReader(store: store, cache: nil, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 8 << 20, partSize: 4 << 20, memoryLimit: 64 << 20))
+        let meta = try store.metadata(of: "f")
+        store.delayReads(0.5)
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        let first = reader.openStream(meta)
+        // A large first read starts read-ahead of 1..5 MiB; the file is closed while it runs.
+        #expect(!out.withUnsafeMutableBytes { reader.readCached(first, at: 0, into: $0) })
+        reader.closeStream(first)
+        let second = reader.openStream(meta)
+        try out.withUnsafeMutableBytes { try reader.read(second, at: 1 << 20, into: $0, observed: false, isCancelled: nil) }
+        #expect(out == Array(bytes[(1 << 20)..<(2 << 20)]))
+        #expect(store.requests.read == 1, "the reopened file waited for the running download instead of fetching again")
+        reader.closeStream(second)
+        reader.finishPendingWork(timeout: 10)
+    }
+
     @Test func interruptedReaderGetsCancelled() throws {
         let store = MemoryStore()
         store.put("f", pattern(1 << 20))

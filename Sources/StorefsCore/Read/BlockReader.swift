@@ -115,16 +115,26 @@ public final class BlockReader: Sendable {
         let key = ObjectKey(object: stream.meta.name, generation: stream.meta.generation)
         let last = tables.withLock { t -> Bool in
             guard let entry = t[key] else { return false }
-            if entry.streams <= 1 {
-                t.removeValue(forKey: key)
-                return true
-            }
             t[key] = (entry.table, entry.streams - 1)
-            return false
+            return entry.streams <= 1
         }
-        // Read-ahead nobody will read goes; downloads still running finish on their own.
-        if last { stream.flights.dropFinished() }
+        // Read-ahead nobody will read goes. Downloads still running stay findable until they
+        // end, so a file opened again meanwhile shares them instead of fetching again.
+        if last {
+            stream.flights.dropFinished()
+            retireIfIdle(stream)
+        }
         if let c = stream.cached { cache?.release(c) }
+    }
+
+    /// Forgets an object's flight table once no file has it open and no download is left in it.
+    private func retireIfIdle(_ stream: Stream) {
+        let key = ObjectKey(object: stream.meta.name, generation: stream.meta.generation)
+        tables.withLock { t in
+            if let entry = t[key], entry.streams <= 0, entry.table === stream.flights, entry.table.isEmpty {
+                t.removeValue(forKey: key)
+            }
+        }
     }
 
     private var blockSize: Int { config.blockSize }
@@ -283,6 +293,7 @@ public final class BlockReader: Sendable {
                 prefetchPool.submit { [self] in
                     self.execute(flight, stream, isCancelled: nil)
                     if let c = stream.cached { self.cache?.release(c) }
+                    self.retireIfIdle(stream)
                 }
             }
             b = end + 1
@@ -319,6 +330,7 @@ public final class BlockReader: Sendable {
             let store: @Sendable () -> Void = { [self] in
                 self.storeToCache(flight, stream)
                 if let c = stream.cached { self.cache?.release(c) }
+                self.retireIfIdle(stream)
             }
             if let afterReply { afterReply.add(store) } else { prefetchPool.submit(store) }
         } else {
@@ -392,6 +404,8 @@ final class FlightTable: Sendable {
             for k in flight.firstBlock...flight.lastBlock where f[k] === flight { f.removeValue(forKey: k) }
         }
     }
+
+    var isEmpty: Bool { byBlock.withLock { $0.isEmpty } }
 
     func dropFinished() {
         byBlock.withLock { f in
