@@ -45,13 +45,13 @@ import time
 import urllib.parse
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from storefs_testlib import ForbiddingProxy, MountManager, _ProxyHandler, classify, serve_loopback, stop_loopback
+from storefs_testlib import ForbiddingProxy, LoopbackServer, MountManager, _ProxyHandler, classify
 
 READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 GOOGLE_TOKEN_AUD = "https://oauth2.googleapis.com/token"
@@ -312,7 +312,7 @@ class AuthEvent:
     detail: str = ""    # why it failed, or who got a token; never a secret
 
 
-class AuthServer:
+class AuthServer(LoopbackServer):
     """Identity Toolkit, Secure Token, OAuth2 token and GCE metadata endpoints on 127.0.0.1.
 
     Knobs (plain attributes, change them any time):
@@ -349,25 +349,12 @@ class AuthServer:
         self._serial = 0
         self._min_valid_serial = 0
         self._lock = threading.Lock()
-        self._server: http.server.ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.endpoint = ""
-        self.port = 0
 
     # -------------------------------------------------------------- lifecycle
-    def start(self) -> "AuthServer":
-        owner = self
+    thread_name = "auth-fixture"
 
-        class Handler(_AuthHandler):
-            server_owner = owner
-
-        self._server, self.port = serve_loopback(Handler, "auth-fixture")
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        return self
-
-    def stop(self) -> None:
-        stop_loopback(self._server)
-        self._server = None
+    def request_handler(self) -> type:
+        return _AuthHandler
 
     @property
     def metadata_host(self) -> str:
@@ -688,7 +675,7 @@ def _api_key_error() -> dict:
 
 
 class _AuthHandler(http.server.BaseHTTPRequestHandler):
-    server_owner: AuthServer
+    owner: AuthServer
     protocol_version = "HTTP/1.1"
 
     def log_message(self, fmt, *args):  # quiet
@@ -729,7 +716,7 @@ class _AuthHandler(http.server.BaseHTTPRequestHandler):
         return {k: v[0] for k, v in urllib.parse.parse_qs(text, keep_blank_values=True).items()}
 
     def do_CONNECT(self):  # noqa: N802 - a client tried to tunnel out through the proxy vars
-        owner = self.server_owner
+        owner = self.owner
         with owner._lock:
             owner.escapes.append(f"CONNECT {self.path}")
         owner.event("escape", 403, f"CONNECT {self.path}")
@@ -746,7 +733,7 @@ class _AuthHandler(http.server.BaseHTTPRequestHandler):
         self._dispatch()
 
     def _dispatch(self) -> None:
-        owner = self.server_owner
+        owner = self.owner
         raw = self._body() if self.command == "POST" else b""
         if not self.path.startswith("/"):     # absolute-form: sent to us as an HTTP proxy
             with owner._lock:
@@ -785,7 +772,7 @@ class _AuthHandler(http.server.BaseHTTPRequestHandler):
         self._send(404, {"error": {"code": 404, "message": f"no such endpoint: {path}"}})
 
     def _metadata(self, path: str) -> None:
-        owner = self.server_owner
+        owner = self.owner
         flavor = {"Metadata-Flavor": "Google"}
         if self.headers.get("Metadata-Flavor") != "Google":
             owner.event("metadata", 403, f"{path} without Metadata-Flavor: Google")
@@ -842,18 +829,10 @@ class GCSAuthProxy(ForbiddingProxy):
     def denies(self, req) -> bool:
         return False
 
-    def start(self) -> None:
-        proxy = self
+    thread_name = "gcs-auth-proxy"
 
-        class Handler(_AuthCheckingHandler):
-            owner = proxy
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="gcs-auth-proxy", daemon=True)
-        self._thread.start()
+    def request_handler(self) -> type:
+        return _AuthCheckingHandler
 
     def add_check(self, check: AuthCheck) -> None:
         with self._lock:

@@ -54,7 +54,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-from storefs_testlib import serve_loopback, stop_loopback
+from storefs_testlib import LoopbackServer
 
 from gcs_emulator import GCSEmulator, quote_name
 
@@ -124,7 +124,7 @@ class _Fault:
         self.remaining, self.status, self.kinds, self.retry_after = remaining, status, kinds, retry_after
 
 
-class FirebaseStorageServer:
+class FirebaseStorageServer(LoopbackServer):
     """See the module doc. `fb = FirebaseStorageServer(emulator, auth); fb.start(); fb.endpoint`."""
 
     def __init__(self, emulator: GCSEmulator, auth=None) -> None:
@@ -151,27 +151,14 @@ class FirebaseStorageServer:
         self._object_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._server: http.server.ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.endpoint = ""
-        self.port = 0
         up = urllib.parse.urlsplit(emulator.endpoint)
         self._up = (up.hostname, up.port)
 
     # -------------------------------------------------------------- lifecycle
-    def start(self) -> "FirebaseStorageServer":
-        owner = self
+    thread_name = "v0-fixture"
 
-        class Handler(_V0Handler):
-            fb = owner
-
-        self._server, self.port = serve_loopback(Handler, "v0-fixture")
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        return self
-
-    def stop(self) -> None:
-        stop_loopback(self._server)
-        self._server = None
+    def request_handler(self) -> type:
+        return _V0Handler
 
     @property
     def host(self) -> str:
@@ -460,7 +447,7 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgra
 
 
 class _V0Handler(http.server.BaseHTTPRequestHandler):
-    fb: FirebaseStorageServer
+    owner: FirebaseStorageServer
     protocol_version = "HTTP/1.1"
 
     def log_message(self, fmt, *args):  # quiet
@@ -518,7 +505,7 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
         return req, query
 
     def _serve(self) -> None:
-        fb = self.fb
+        fb = self.owner
         length = int(self.headers.get("Content-Length") or 0)
         if length:
             self.rfile.read(length)
@@ -545,10 +532,10 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
         client's next request never overlaps it in `max_inflight`."""
         kind, self._inflight_kind = getattr(self, "_inflight_kind", None), None
         if kind is not None:
-            self.fb._track(kind, -1)
+            self.owner._track(kind, -1)
 
     def _answer(self, req: V0Request, query: dict[str, str]) -> None:
-        fb = self.fb
+        fb = self.owner
         if req.kind == "write":
             req.status = 405
             return self._error(405, "storefs fixture: read-only server")
@@ -582,7 +569,7 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
 
     # -------------------------------------------------------------- list
     def _list(self, req: V0Request, query: dict[str, str], principal: Principal | None) -> None:
-        fb = self.fb
+        fb = self.owner
         prefix, delimiter = req.prefix or "", query.get("delimiter") or "/"
         if prefix and (not prefix.endswith("/") or prefix.endswith("//")):
             req.status, req.reason = 400, "bad prefix"
@@ -621,7 +608,7 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
 
     # -------------------------------------------------------------- metadata and media
     def _object(self, req: V0Request, query: dict[str, str], principal: Principal | None) -> None:
-        fb = self.fb
+        fb = self.owner
         res = fb._gcs_object(req.bucket, req.name)
         tokens = [t for t in ((res or {}).get("metadata") or {}).get(TOKENS_KEY, "").split(",") if t]
         by_token = req.kind == "media" and "token" in query and query["token"] in tokens
@@ -641,7 +628,7 @@ class _V0Handler(http.server.BaseHTTPRequestHandler):
         return self._media(req, res, meta)
 
     def _media(self, req: V0Request, res: dict, meta: dict) -> None:
-        fb = self.fb
+        fb = self.owner
         if fb.media_delay:
             time.sleep(fb.media_delay)
         path = (f"/download/storage/v1/b/{quote_name(req.bucket)}/o/{quote_name(req.name)}"

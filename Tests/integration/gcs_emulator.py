@@ -212,8 +212,10 @@ class GCSEmulator:
         return json.loads(data) if data else {}
 
     # ---------------------------------------------------------------- JSON API
-    def create_bucket(self, name: str) -> None:
-        self._json("POST", "/storage/v1/b?project=test-project", {"name": name})
+    def create_bucket(self, name: str, exist_ok: bool = False) -> None:
+        """Creates a bucket; with exist_ok, one that exists already (409) is fine too."""
+        self._json("POST", "/storage/v1/b?project=test-project", {"name": name},
+                   ok=(200, 409) if exist_ok else (200,))
 
     def upload(self, bucket: str, name: str, data: bytes, *, content_type: str | None = None,
                content_encoding: str | None = None, cache_control: str | None = None,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gcs_emulator import GCSEmulator, free_port, quote_name
+from gcs_emulator import GCSEmulator
 
 BUCKET = "test-bucket"
 MOUNT_TIMEOUT_S = 30.0       # from spawn to the mount showing in /proc/self/mountinfo
@@ -150,6 +150,35 @@ _OBJECT_RE = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
 _LIST_RE = re.compile(r"^/storage/v1/b/([^/]+)/o/?$")
 
 
+class LoopbackServer:
+    """A test server of ours on a free 127.0.0.1 port. Subclasses name their request handler
+    class (`request_handler`) and thread; the handler reaches this object as `self.owner`.
+    `start()` returns self; `stop()` may be called more than once."""
+
+    thread_name = "loopback-fixture"
+    _server: http.server.ThreadingHTTPServer | None = None
+    port = 0
+    endpoint = ""
+
+    def request_handler(self) -> type:
+        raise NotImplementedError
+
+    def start(self):
+        handler = type("Handler", (self.request_handler(),), {"owner": self})
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name=self.thread_name, daemon=True).start()
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
 @dataclass
 class ProxyRequest:
     kind: str            # list | metadata | media | other
@@ -175,7 +204,7 @@ def classify(method: str, target: str) -> ProxyRequest:
     return ProxyRequest("other", method, target, None, None, query)
 
 
-class ForbiddingProxy:
+class ForbiddingProxy(LoopbackServer):
     """HTTP proxy in front of the emulator that answers 403 for everything under `private/`.
 
     Denied: metadata/media requests whose decoded object name starts with `denied_prefix`,
@@ -195,31 +224,14 @@ class ForbiddingProxy:
         self.counts: Counter[str] = Counter()    # by kind (+ "denied"), counted once answered
         self.log: list[ProxyRequest] = []
         self._lock = threading.Lock()
-        self._server: http.server.ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.endpoint = ""
         up = urllib.parse.urlsplit(upstream)
         self._up_host, self._up_port = up.hostname, up.port
 
     # -------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        proxy = self
+    thread_name = "forbidding-proxy"
 
-        class Handler(_ProxyHandler):
-            owner = proxy
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="forbidding-proxy", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+    def request_handler(self) -> type:
+        return _ProxyHandler
 
     def cut(self) -> None:
         """The server goes away: stop listening and drop every open connection too.
@@ -718,16 +730,3 @@ def open_close(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> None:
     os.close(os.open(path, flags, mode))
 
 
-def serve_loopback(handler: type, name: str) -> tuple[http.server.ThreadingHTTPServer, int]:
-    """Starts a threaded HTTP server for `handler` on a free 127.0.0.1 port; returns it and the port."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
-    return server, server.server_address[1]
-
-
-def stop_loopback(server: http.server.ThreadingHTTPServer | None) -> None:
-    """Stops a server from serve_loopback (no-op for None)."""
-    if server is not None:
-        server.shutdown()
-        server.server_close()

@@ -23,7 +23,6 @@ import uuid
 
 import pytest
 
-from gcs_emulator import GCSError
 from storefs_testlib import BUCKET, is_mounted
 
 CB = "cache-bucket"
@@ -43,11 +42,7 @@ SECRET_NAMES = ["names/zebra-QWERTY-unguessable.txt", "names/with space ünïcø
 @pytest.fixture(scope="module")
 def cdata(emulator) -> dict[str, bytes]:
     """Uploads this module's objects to CB once; returns name -> bytes."""
-    try:
-        emulator.create_bucket(CB)
-    except GCSError as exc:
-        if exc.status != 409:
-            raise
+    emulator.create_bucket(CB, exist_ok=True)
     rng = random.Random(424242)
     data = {SEQ: rng.randbytes(SEQ_SIZE), OTHER: rng.randbytes(6 * MiB + 7),
             SMALL: b"tiny payload\n"}

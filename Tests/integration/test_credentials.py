@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import time
 import urllib.error
@@ -23,7 +22,7 @@ import pytest
 from auth_fixture import (GOOGLE_TOKEN_AUD, JWT_BEARER, READ_ONLY_SCOPE, jwt_rs256,
                           sign_v4_url, verify_v4_signed_url, write_token_file)
 from firebase_fixture import TOKENS_KEY, v0_url
-from gcs_emulator import GCSError, quote_name
+from gcs_emulator import quote_name
 from storefs_testlib import errname, errno_of, is_mounted, run_storefs
 
 CB = "cred-bucket"        # GCS protocol only (never read over v0: stays token-less)
@@ -47,11 +46,7 @@ FB_RULES = [("alice/", {"uid-alice"}), ("bob/", {"uid-bob"}), ("admin/", "deny")
 @pytest.fixture(scope="module")
 def buckets(emulator):
     for b in (CB, FCB):
-        try:
-            emulator.create_bucket(b)
-        except GCSError as exc:
-            if exc.status != 409:
-                raise
+        emulator.create_bucket(b, exist_ok=True)
     for name, data in GCS_FILES.items():
         meta = {TOKENS_KEY: "gcs-tok-1,gcs-tok-2"} if name.startswith("tok/") else None
         emulator.upload(CB, name, data, content_type="text/plain", metadata=meta)

@@ -26,7 +26,7 @@ import uuid
 import pytest
 
 from firebase_fixture import BAD_PREFIX_MESSAGE, TOKENS_KEY, v0_url
-from gcs_emulator import GCSError, quote_name
+from gcs_emulator import quote_name
 from storefs_testlib import errname, errno_of, expected_tree
 
 FB = "fb-bucket"
@@ -47,11 +47,7 @@ def _ls_size(i: int) -> int:
 @pytest.fixture(scope="module")
 def fbdata(emulator) -> dict[str, bytes]:
     """Uploads fb-bucket once; returns name -> bytes of everything uploaded."""
-    try:
-        emulator.create_bucket(FB)
-    except GCSError as exc:
-        if exc.status != 409:
-            raise
+    emulator.create_bucket(FB, exist_ok=True)
     rng = random.Random(20261130)
     items: list[tuple[str, bytes, dict]] = [
         ("docs/readme.txt", b"storefs over firebase v0\n", {"content_type": "text/plain"}),
