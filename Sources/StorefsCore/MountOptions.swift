@@ -164,11 +164,7 @@ public struct MountOptions: Sendable, Equatable {
             case "anonymous": try flag(key, value); o.anonymous = true
             case "token_file": o.tokenFile = try require(key, value)
             case "protocol":
-                let v = try require(key, value)
-                guard let p = StorageProtocol(rawValue: v.lowercased()) else {
-                    throw ParseError(message: "protocol=\(v) is not gcs or firebase")
-                }
-                o.storageProtocol = p
+                o.storageProtocol = try choice(key, value, "gcs or firebase") { StorageProtocol(rawValue: $0.lowercased()) }
                 explicitProtocol = true
             case "credentials": o.credentialsFile = try require(key, value)
             case "api_key": o.apiKey = try require(key, value)
@@ -176,17 +172,9 @@ public struct MountOptions: Sendable, Equatable {
             case "password_file": o.passwordFile = try require(key, value)
             case "auth_endpoint": o.authEndpoint = try url(key, value)
             case "url_xattr":
-                let v = try require(key, value)
-                guard let a = DownloadURL.Access(rawValue: v.lowercased()) else {
-                    throw ParseError(message: "url_xattr=\(v) is not owner, all or off")
-                }
-                o.urlAccess = a
+                o.urlAccess = try choice(key, value, "owner, all or off") { DownloadURL.Access(rawValue: $0.lowercased()) }
             case "url_expiry":
-                let v = try require(key, value)
-                guard let n = Int(v), (1...URLSigner.maxExpiry).contains(n) else {
-                    throw ParseError(message: "url_expiry=\(v) must be 1 to 604800 seconds (7 days)")
-                }
-                o.urlExpiry = n
+                o.urlExpiry = try integer(key, value, 1...URLSigner.maxExpiry, "1 to 604800 seconds (7 days)")
             case "cache_dir": o.cacheDir = try require(key, value)
             case "cache_size": o.cacheSize = try size(key, value, min: 1 << 20)
             case "block_size":
@@ -197,16 +185,8 @@ public struct MountOptions: Sendable, Equatable {
                 o.blockSize = Int(b)
             case "read_ahead": o.readAhead = try size(key, value, min: 0)
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
-            case "list_ahead":
-                let v = try require(key, value)
-                guard let n = Int(v), (0...4096).contains(n) else {
-                    throw ParseError(message: "list_ahead=\(v) must be a whole number from 0 to 4096")
-                }
-                o.listAhead = n
-            case "parallel":
-                let v = try require(key, value)
-                guard let n = Int(v), (1...64).contains(n) else { throw ParseError(message: "parallel=\(v) must be a whole number from 1 to 64") }
-                o.parallel = n
+            case "list_ahead": o.listAhead = try integer(key, value, 0...4096, "a whole number from 0 to 4096")
+            case "parallel": o.parallel = try integer(key, value, 1...64, "a whole number from 1 to 64")
             case "stat_ttl": o.statTTL = try seconds(key, value)
             case "list_ttl": o.listTTL = try seconds(key, value)
             case "negative_ttl": o.negativeTTL = try seconds(key, value)
@@ -215,11 +195,7 @@ public struct MountOptions: Sendable, Equatable {
             case "file_mode": o.fileMode = try mode(key, value)
             case "dir_mode": o.dirMode = try mode(key, value)
             case "log_level":
-                let v = try require(key, value)
-                guard let level = LogLevel(name: v) else {
-                    throw ParseError(message: "log_level=\(v) is not one of error, warn, info, debug, trace")
-                }
-                o.logLevel = level
+                o.logLevel = try choice(key, value, "one of error, warn, info, debug, trace") { LogLevel(name: $0) }
             case _ where forwardedFlags.contains(key) && value == nil:
                 if key == "allow_other" { o.allowOther = true }
                 o.fuseOptions.append(key)
@@ -280,6 +256,21 @@ public struct MountOptions: Sendable, Equatable {
     private static func require(_ key: String, _ value: String?) throws(ParseError) -> String {
         guard let value, !value.isEmpty else { throw ParseError(message: "option \(key)= needs a value") }
         return value
+    }
+
+    /// One of a fixed set of words; `names` lists them for the error.
+    private static func choice<T>(_ key: String, _ value: String?, _ names: String,
+                                  _ parse: (String) -> T?) throws(ParseError) -> T {
+        let v = try require(key, value)
+        guard let t = parse(v) else { throw ParseError(message: "\(key)=\(v) is not \(names)") }
+        return t
+    }
+
+    /// A whole number in `range`; `what` says which for the error ("must be <what>").
+    private static func integer(_ key: String, _ value: String?, _ range: ClosedRange<Int>, _ what: String) throws(ParseError) -> Int {
+        let v = try require(key, value)
+        guard let n = Int(v), range.contains(n) else { throw ParseError(message: "\(key)=\(v) must be \(what)") }
+        return n
     }
 
     private static func url(_ key: String, _ value: String?) throws(ParseError) -> String {
