@@ -369,55 +369,62 @@ public final class AfterReply: @unchecked Sendable {
 
 /// The flights of one object generation, by block: every block of a flight maps to it.
 final class FlightTable: Sendable {
-    private let byBlock = Mutex([Int: Flight]())
+    private struct Entries: ~Copyable {
+        var byBlock: [Int: Flight] = [:]
+        /// Each registered flight once: clean-ups walk flights (a few), not blocks (thousands).
+        var flights: [Flight] = []
 
-    func flight(for block: Int) -> Flight? { byBlock.withLock { $0[block] } }
+        mutating func add(_ flight: Flight) {
+            for k in flight.firstBlock...flight.lastBlock { byBlock[k] = flight }
+            flights.append(flight)
+        }
+
+        mutating func remove(_ flight: Flight) {
+            for k in flight.firstBlock...flight.lastBlock where byBlock[k] === flight { byBlock.removeValue(forKey: k) }
+            flights.removeAll { $0 === flight }
+        }
+    }
+
+    private let entries = Mutex(Entries())
+
+    func flight(for block: Int) -> Flight? { entries.withLock { $0.byBlock[block] } }
 
     /// Registers `flight` for its blocks unless `block` already has one (returned instead).
     func register(_ flight: Flight, orExistingFor block: Int) -> Flight? {
-        byBlock.withLock { f in
-            if let raced = f[block] { return raced }
-            for k in flight.firstBlock...flight.lastBlock { f[k] = flight }
+        entries.withLock { e in
+            if let raced = e.byBlock[block] { return raced }
+            e.add(flight)
             return nil
         }
     }
 
     /// Registers `flight` if none of its blocks has a flight yet.
     func registerIfFree(_ flight: Flight) -> Bool {
-        byBlock.withLock { f in
-            for k in flight.firstBlock...flight.lastBlock where f[k] != nil { return false }
-            for k in flight.firstBlock...flight.lastBlock { f[k] = flight }
+        entries.withLock { e in
+            for k in flight.firstBlock...flight.lastBlock where e.byBlock[k] != nil { return false }
+            e.add(flight)
             return true
         }
     }
 
     /// For each block of `blocks`: does a flight bring it?
     func coveredMask(_ blocks: ClosedRange<Int>) -> [Bool] {
-        byBlock.withLock { f in
-            if f.isEmpty { return [Bool](repeating: false, count: blocks.count) }
-            return blocks.map { f[$0] != nil }
+        entries.withLock { e in
+            if e.byBlock.isEmpty { return [Bool](repeating: false, count: blocks.count) }
+            return blocks.map { e.byBlock[$0] != nil }
         }
     }
 
     func forget(_ flight: Flight) {
-        byBlock.withLock { f in
-            for k in flight.firstBlock...flight.lastBlock where f[k] === flight { f.removeValue(forKey: k) }
-        }
+        entries.withLock { $0.remove(flight) }
     }
 
-    var isEmpty: Bool { byBlock.withLock { $0.isEmpty } }
+    var isEmpty: Bool { entries.withLock { $0.byBlock.isEmpty } }
 
     func dropFinished() {
-        byBlock.withLock { f in
-            for (k, flight) in f where flight.finished != nil { f.removeValue(forKey: k) }
+        entries.withLock { e in
+            for flight in e.flights where flight.finished != nil { e.remove(flight) }
         }
-    }
-}
-
-extension Result {
-    var isSuccess: Bool {
-        if case .success = self { return true }
-        return false
     }
 }
 
