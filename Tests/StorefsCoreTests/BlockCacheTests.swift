@@ -330,6 +330,29 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.finishPendingWork(timeout: 10)
     }
 
+    @Test func aReaderNeverWaitsBehindReadAheadNobodyReads() throws {
+        // Cache off (a full disk): finished read-ahead stays in memory until it is read. Here
+        // the first read's own read-ahead takes the whole budget before the read's download
+        // asks for room; the read must still complete.
+        let store = MemoryStore()
+        let bytes = pattern(32 << 20)
+        store.put("a", bytes)
+        let reader = BlockReader(store: store, cache: nil, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 8 << 20, partSize: 4 << 20, memoryLimit: 4 << 20))
+        let a = reader.openStream(try store.metadata(of: "a"))
+        let done = DispatchSemaphore(value: 0)
+        let result = Mutex<[UInt8]?>(nil)
+        Thread {
+            var got = [UInt8](repeating: 0, count: 1 << 20)
+            try? got.withUnsafeMutableBytes { try reader.read(a, at: 0, into: $0, observed: false, isCancelled: nil) }
+            result.withLock { $0 = got }
+            done.signal()
+        }.start()
+        #expect(done.wait(timeout: .now() + 5) == .success, "the read waited for memory held by read-ahead nobody reads")
+        #expect(result.withLock { $0 } == Array(bytes[0..<(1 << 20)]))
+        reader.closeStream(a)
+    }
+
     @Test func interruptedReaderGetsCancelled() throws {
         let store = MemoryStore()
         store.put("f", pattern(1 << 20))

@@ -238,7 +238,9 @@ public final class BlockReader: Sendable {
         }
         let start = Int64(block) * Int64(blockSize)
         let length = Int(min(meta.size, Int64(last + 1) * Int64(blockSize)) - start)
-        guard budget.acquire(Int64(length), isCancelled: isCancelled) else {
+        // Finished read-ahead nobody has read yet gives way to a reader (with the cache on it
+        // is gone already; with it off, it could hold the whole budget, even this file's).
+        guard budget.acquire(Int64(length), isCancelled: isCancelled, makeRoom: { self.dropFinished() }) else {
             throw StorageError(.cancelled, "read interrupted while waiting for memory")
         }
         let flight = newFlight(first: block, last: last, start: start, length: length)

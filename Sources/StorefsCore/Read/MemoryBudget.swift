@@ -9,17 +9,24 @@ final class MemoryBudget: @unchecked Sendable {
 
     init(limit: Int64) { self.limit = limit }
 
-    /// Waits for `bytes` of room; false if `isCancelled` turned true first.
-    func acquire(_ bytes: Int64, isCancelled: (@Sendable () -> Bool)?) -> Bool {
-        condition.lock()
-        defer { condition.unlock() }
-        // A single request larger than the whole budget may run alone.
-        while used > 0 && used + bytes > limit {
+    /// Waits for `bytes` of room; false if `isCancelled` turned true first. `makeRoom` runs
+    /// (without the lock) whenever there is none: it may let go of memory held elsewhere.
+    func acquire(_ bytes: Int64, isCancelled: (@Sendable () -> Bool)?, makeRoom: (() -> Void)? = nil) -> Bool {
+        while true {
+            condition.lock()
+            // A single request larger than the whole budget may run alone.
+            if used == 0 || used + bytes <= limit {
+                used += bytes
+                condition.unlock()
+                return true
+            }
+            condition.unlock()
             if let isCancelled, isCancelled() { return false }
-            _ = condition.wait(until: Date().addingTimeInterval(0.05))
+            makeRoom?()
+            condition.lock()
+            if used > 0 && used + bytes > limit { _ = condition.wait(until: Date().addingTimeInterval(0.05)) }
+            condition.unlock()
         }
-        used += bytes
-        return true
     }
 
     func tryAcquire(_ bytes: Int64) -> Bool {
