@@ -335,7 +335,7 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         // the first read's own read-ahead takes the whole budget before the read's download
         // asks for room; the read must still complete.
         let store = MemoryStore()
-        let bytes = pattern(32 << 20)
+        let bytes = pattern(8 << 20)
         store.put("a", bytes)
         let reader = BlockReader(store: store, cache: nil, endpoint: "e",
                                  config: .init(blockSize: 16 << 10, readAhead: 8 << 20, partSize: 4 << 20, memoryLimit: 4 << 20))
