@@ -1,0 +1,237 @@
+/*
+ * floorfs: the least a FUSE filesystem can do to serve one object over HTTP. A benchmark
+ * baseline, not part of storefs.
+ *
+ *     floorfs URL SIZE NAME MOUNTPOINT
+ *
+ * Shows one read-only file NAME of SIZE bytes. Every FUSE read becomes exactly one ranged GET
+ * of the requested bytes on the calling FUSE thread (one keep-alive libcurl handle per thread),
+ * answered with fuse_reply_buf. No cache, no read-ahead of its own, no checks beyond the length.
+ * Mount settings match storefs (1 MiB requests: max_readahead and the bdi read_ahead_kb,
+ * async reads, multi-threaded loop), so bench/run can put storefs's numbers beside what the
+ * same machine gives a filesystem that has no work of its own: the FUSE round trip plus one
+ * GET is the floor of a cold random read, and this file's throughput is what FUSE + HTTP give
+ * without a block cache (whose writes storefs pays for).
+ *
+ * Built by bench/run with: cc -O2 floorfs.c -o floorfs $(pkg-config --cflags --libs fuse3 libcurl)
+ */
+#define FUSE_USE_VERSION 34
+#include <fuse_lowlevel.h>
+#include <curl/curl.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define MAX_REQUEST (1 << 20)
+
+static const char *object_url;
+static const char *file_name;
+static off_t file_size;
+
+struct sink {
+    char *buf;
+    size_t filled;
+    size_t want;
+};
+
+static size_t on_body(char *data, size_t size, size_t n, void *opaque) {
+    struct sink *s = opaque;
+    size_t len = size * n;
+    if (s->filled + len > s->want) return 0; /* more than asked for: fail the transfer */
+    memcpy(s->buf + s->filled, data, len);
+    s->filled += len;
+    return len;
+}
+
+/* Handles (each keeps its connection open) and buffers are pooled, not kept per thread: with a
+ * GET blocking each FUSE thread, libfuse 3.14's loop ran every read on a new thread (400 thread
+ * ids for 400 reads), so per-thread handles opened a new connection for every read. */
+struct slot {
+    CURL *curl;
+    char *buf;
+    struct slot *next;
+};
+static struct slot *idle_slots;
+static pthread_mutex_t slots_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static struct slot *take_slot(void) {
+    pthread_mutex_lock(&slots_lock);
+    struct slot *t = idle_slots;
+    if (t) idle_slots = t->next;
+    pthread_mutex_unlock(&slots_lock);
+    if (t) return t;
+    t = calloc(1, sizeof *t);
+    t->curl = curl_easy_init();
+    t->buf = malloc(MAX_REQUEST);
+    return t;
+}
+
+static void give_slot(struct slot *t) {
+    pthread_mutex_lock(&slots_lock);
+    t->next = idle_slots;
+    idle_slots = t;
+    pthread_mutex_unlock(&slots_lock);
+}
+
+static void fill_attr(fuse_ino_t ino, struct stat *st) {
+    memset(st, 0, sizeof *st);
+    st->st_ino = ino;
+    if (ino == FUSE_ROOT_ID) {
+        st->st_mode = S_IFDIR | 0555;
+        st->st_nlink = 2;
+    } else {
+        st->st_mode = S_IFREG | 0444;
+        st->st_nlink = 1;
+        st->st_size = file_size;
+    }
+}
+
+static void op_init(void *userdata, struct fuse_conn_info *conn) {
+    (void)userdata;
+    conn->max_readahead = MAX_REQUEST;
+    conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
+}
+
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    if (parent != FUSE_ROOT_ID || strcmp(name, file_name) != 0) {
+        fuse_reply_err(req, ENOENT);
+        return;
+    }
+    struct fuse_entry_param e;
+    memset(&e, 0, sizeof e);
+    e.ino = 2;
+    e.attr_timeout = e.entry_timeout = 3600;
+    fill_attr(2, &e.attr);
+    fuse_reply_entry(req, &e);
+}
+
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    (void)fi;
+    struct stat st;
+    fill_attr(ino, &st);
+    fuse_reply_attr(req, &st, 3600);
+}
+
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    if (ino == FUSE_ROOT_ID) {
+        fuse_reply_err(req, EISDIR);
+        return;
+    }
+    if ((fi->flags & O_ACCMODE) != O_RDONLY) {
+        fuse_reply_err(req, EROFS);
+        return;
+    }
+    fi->keep_cache = 1;
+    fuse_reply_open(req, fi);
+}
+
+static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    (void)ino;
+    (void)fi;
+    if (off >= file_size) {
+        fuse_reply_buf(req, NULL, 0);
+        return;
+    }
+    if (size > MAX_REQUEST) size = MAX_REQUEST;
+    if ((off_t)size > file_size - off) size = (size_t)(file_size - off);
+    struct slot *t = take_slot();
+    struct sink s = {t->buf, 0, size};
+    char range[64];
+    snprintf(range, sizeof range, "%lld-%lld", (long long)off, (long long)(off + (off_t)size - 1));
+    curl_easy_setopt(t->curl, CURLOPT_URL, object_url);
+    curl_easy_setopt(t->curl, CURLOPT_RANGE, range);
+    curl_easy_setopt(t->curl, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(t->curl, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(t->curl, CURLOPT_WRITEDATA, &s);
+    CURLcode rc = curl_easy_perform(t->curl);
+    long status = 0;
+    curl_easy_getinfo(t->curl, CURLINFO_RESPONSE_CODE, &status);
+    if (rc != CURLE_OK || status != 206 || s.filled != size)
+        fuse_reply_err(req, EIO);
+    else
+        fuse_reply_buf(req, t->buf, size);
+    give_slot(t);
+}
+
+static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    (void)fi;
+    if (ino != FUSE_ROOT_ID) {
+        fuse_reply_err(req, ENOTDIR);
+        return;
+    }
+    char buf[512];
+    size_t used = 0;
+    const char *names[] = {".", "..", file_name};
+    for (off_t i = off; i < 3; i++) {
+        struct stat st;
+        fill_attr(i == 2 ? 2 : FUSE_ROOT_ID, &st);
+        size_t n = fuse_add_direntry(req, buf + used, sizeof buf - used, names[i], &st, i + 1);
+        if (n > sizeof buf - used || used + n > size) break;
+        used += n;
+    }
+    fuse_reply_buf(req, buf, used);
+}
+
+/* Buffered sequential reads arrive as 1 MiB requests only if the mount's bdi allows it. The
+ * device number comes from mountinfo: a stat() of the mount point would wait on this very
+ * daemon, whose loop has not started yet. */
+static void raise_readahead(const char *mountpoint) {
+    FILE *m = fopen("/proc/self/mountinfo", "r");
+    if (!m) return;
+    char line[4096], dev[64] = "", mnt[4096];
+    while (fgets(line, sizeof line, m)) {
+        unsigned id, parent;
+        char d[64];
+        if (sscanf(line, "%u %u %63s %*s %4095s", &id, &parent, d, mnt) == 4 && strcmp(mnt, mountpoint) == 0)
+            strcpy(dev, d);
+    }
+    fclose(m);
+    if (!dev[0]) return;
+    char path[128];
+    snprintf(path, sizeof path, "/sys/class/bdi/%s/read_ahead_kb", dev);
+    FILE *f = fopen(path, "w");
+    if (!f) return;
+    fprintf(f, "%d\n", MAX_REQUEST / 1024);
+    fclose(f);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 5) {
+        fprintf(stderr, "usage: floorfs URL SIZE NAME MOUNTPOINT\n");
+        return 2;
+    }
+    object_url = argv[1];
+    file_size = strtoll(argv[2], NULL, 10);
+    file_name = argv[3];
+    const char *mountpoint = argv[4];
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+
+    struct fuse_lowlevel_ops ops = {
+        .init = op_init,
+        .lookup = op_lookup,
+        .getattr = op_getattr,
+        .open = op_open,
+        .read = op_read,
+        .readdir = op_readdir,
+    };
+    char *fargv[] = {argv[0], "-o", "ro,fsname=floorfs,subtype=floorfs,default_permissions", NULL};
+    struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
+    struct fuse_session *se = fuse_session_new(&args, &ops, sizeof ops, NULL);
+    if (!se) return 1;
+    if (fuse_set_signal_handlers(se) != 0 || fuse_session_mount(se, mountpoint) != 0) {
+        fuse_session_destroy(se);
+        return 1;
+    }
+    raise_readahead(mountpoint);
+    struct fuse_loop_config *cfg = fuse_loop_cfg_create();
+    fuse_loop_cfg_set_max_threads(cfg, 16);
+    int rc = fuse_session_loop_mt(se, cfg);
+    fuse_loop_cfg_destroy(cfg);
+    fuse_session_unmount(se);
+    fuse_remove_signal_handlers(se);
+    fuse_session_destroy(se);
+    return rc < 0 ? 1 : 0;
+}
