@@ -15,7 +15,8 @@
  *
  * Built by bench/run with: cc -O2 floorfs.c -o floorfs $(pkg-config --cflags --libs fuse3 libcurl)
  */
-#define FUSE_USE_VERSION 34
+/* 312 or later: fuse_session_loop_mt() then takes the fuse_loop_cfg made below (see main). */
+#define FUSE_USE_VERSION 312
 #include <fuse_lowlevel.h>
 #include <curl/curl.h>
 #include <errno.h>
@@ -46,9 +47,8 @@ static size_t on_body(char *data, size_t size, size_t n, void *opaque) {
     return len;
 }
 
-/* Handles (each keeps its connection open) and buffers are pooled, not kept per thread: with a
- * GET blocking each FUSE thread, libfuse 3.14's loop ran every read on a new thread (400 thread
- * ids for 400 reads), so per-thread handles opened a new connection for every read. */
+/* Handles (each keeps its connection open) and buffers are pooled: whichever FUSE thread
+ * serves a read reuses an open connection. */
 struct slot {
     CURL *curl;
     char *buf;
