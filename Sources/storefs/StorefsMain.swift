@@ -95,7 +95,7 @@ enum StorefsMain {
         }
         let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead, parallel: o.parallel,
-                                               memoryLimit: o.memoryLimit))
+                                               memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites))
         let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader)
         let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.source.description,
                                             foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,

@@ -354,6 +354,88 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.closeStream(a)
     }
 
+    /// A disk that cannot keep up: the writer's queue is held full by a write that does not end.
+    private func stalledWriter() -> (CacheWriter, DispatchSemaphore) {
+        let writer = CacheWriter(maxBacklog: 1)
+        let release = DispatchSemaphore(value: 0)
+        #expect(writer.submit(bytes: 1, patience: 0) { release.wait() })
+        return (writer, release)
+    }
+
+    @Test func aFullWriteQueueTakesNothingMoreWithinItsPatience() {
+        let (writer, release) = stalledWriter()
+        let t0 = Date()
+        #expect(!writer.submit(bytes: 8 << 20, patience: 0.2) {})
+        #expect(Date().timeIntervalSince(t0) >= 0.19, "gave up before its patience ran out")
+        #expect(writer.skipped == 8 << 20)
+        release.signal()
+        #expect(writer.drain(timeout: 5))
+        let ran = Mutex(false)
+        #expect(writer.submit(bytes: 8 << 20, patience: 0.2) { ran.withLock { $0 = true } })
+        #expect(writer.drain(timeout: 5))
+        #expect(ran.withLock { $0 })
+    }
+
+    @Test func aSlowCacheDiskDoesNotSlowSequentialReadsDown() throws {
+        let store = MemoryStore()
+        let bytes = pattern(24 << 20)
+        store.put("f", bytes)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+        let (writer, release) = stalledWriter()
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 16 << 20, partSize: 4 << 20, memoryLimit: 64 << 20),
+                                 writer: writer)
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        let done = DispatchSemaphore(value: 0)
+        let same = Mutex(true)
+        Thread {
+            var out = [UInt8](repeating: 0, count: 1 << 20)
+            for i in 0..<24 {
+                try? out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+                if out != Array(bytes[(i << 20)..<((i + 1) << 20)]) { same.withLock { $0 = false } }
+            }
+            done.signal()
+        }.start()
+        #expect(done.wait(timeout: .now() + 10) == .success, "the reads waited for a cache write that never ends")
+        #expect(same.withLock { $0 }, "a read returned other bytes")
+        #expect(writer.skipped > 0, "read-ahead was neither cached nor skipped")
+        #expect(cache.usedBytes < 24 << 20)
+        release.signal()
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(stream)
+    }
+
+    @Test func cacheWritesAllMakesReadAheadWaitForTheDisk() throws {
+        let store = MemoryStore()
+        let bytes = pattern(16 << 20)
+        store.put("f", bytes)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+        let (writer, release) = stalledWriter()
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 8 << 20, partSize: 4 << 20, memoryLimit: 64 << 20,
+                                               cacheWrites: .all),
+                                 writer: writer)
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        // The disk gets going again after half a second: the reads wait for it.
+        Thread {
+            Thread.sleep(forTimeInterval: 0.5)
+            release.signal()
+        }.start()
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        for i in 0..<16 {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+            #expect(out == Array(bytes[(i << 20)..<((i + 1) << 20)]))
+        }
+        reader.finishPendingWork(timeout: 10)
+        #expect(writer.skipped == 0, "cache_writes=all skipped a cache write")
+        let meta = try store.metadata(of: "f")
+        #expect(cache.acquire(endpoint: "e", meta: meta).map { c in
+            defer { cache.release(c) }
+            return c.cachedBytes(from: 0, upTo: 16 << 20)
+        } == 16 << 20, "every byte of the object is cached once the disk caught up")
+        reader.closeStream(stream)
+    }
+
     @Test func interruptedReaderGetsCancelled() throws {
         let store = MemoryStore()
         store.put("f", pattern(1 << 20))

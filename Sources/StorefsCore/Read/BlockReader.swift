@@ -9,7 +9,8 @@ import Synchronization
 /// missing block is taken from a download already in flight, or a new download of the run of
 /// missing blocks is made on the calling thread. Sequential streams also schedule read-ahead
 /// downloads of `partSize` on the prefetch threads, up to `parallel` at once, within the
-/// memory budget. Every download is pinned to the generation seen at open.
+/// memory budget; their cache copies are written by the `CacheWriter`, so the next download
+/// never waits for the disk. Every download is pinned to the generation seen at open.
 public final class BlockReader: Sendable {
     public struct Config: Sendable {
         public var blockSize: Int
@@ -17,14 +18,23 @@ public final class BlockReader: Sendable {
         public var parallel: Int
         public var partSize: Int64
         public var memoryLimit: Int64
+        /// Read-ahead bytes that may wait in memory for their cache write; beyond that a slow
+        /// disk makes read-ahead go uncached instead of slowing reads down. Default: two parts
+        /// (at most a quarter of `memoryLimit`): it absorbs bursts, the patience rule in
+        /// `execute` decides the rest, and each waiting part is a resident buffer.
+        public var writeBacklog: Int64
+        public var cacheWrites: CacheWrites
 
         public init(blockSize: Int = 16 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
-                    partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20) {
+                    partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20, writeBacklog: Int64? = nil,
+                    cacheWrites: CacheWrites = .keepUp) {
             self.blockSize = blockSize
             self.readAhead = readAhead
             self.parallel = parallel
             self.partSize = partSize
             self.memoryLimit = memoryLimit
+            self.writeBacklog = writeBacklog ?? min(2 * partSize, memoryLimit / 4)
+            self.cacheWrites = cacheWrites
         }
     }
 
@@ -36,6 +46,7 @@ public final class BlockReader: Sendable {
     let budget: MemoryBudget
     let buffers: FlightBufferPool
     let requestBuffers: FlightBufferPool
+    let writer: CacheWriter
     /// The downloads in flight (or finished and not yet read), per object generation.
     private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
     private let pool = Mutex<WorkerPool?>(nil)
@@ -45,16 +56,24 @@ public final class BlockReader: Sendable {
         var generation: Int64
     }
 
-    public init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config) {
+    public convenience init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config) {
+        self.init(store: store, cache: cache, endpoint: endpoint, config: config,
+                  writer: CacheWriter(maxBacklog: config.writeBacklog))
+    }
+
+    init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config, writer: CacheWriter) {
         self.store = store
         self.cache = cache
         self.endpoint = endpoint
         self.config = config
+        self.writer = writer
         budget = MemoryBudget(limit: config.memoryLimit)
         let part = Int(max(config.partSize, Int64(config.blockSize)))
         let request = FuseLimits.maxRequest + config.blockSize
+        // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped.
+        let parts = config.parallel + Int(config.writeBacklog) / part
         buffers = FlightBufferPool(regionSize: max(part, request),
-                                   keep: max(2, min(config.parallel, Int(config.memoryLimit) / part)))
+                                   keep: max(2, min(parts, Int(config.memoryLimit) / part)))
         requestBuffers = FlightBufferPool(regionSize: request, keep: 8)
     }
 
@@ -78,8 +97,11 @@ public final class BlockReader: Sendable {
     /// unmount is in the cache after it.
     public func finishPendingWork(timeout: Double) {
         let pool = pool.withLock { $0 }
+        // Downloads first: each one may queue a cache write.
         if let pool, !pool.drain(timeout: timeout) {
             Log.warn("unmount: read-ahead and cache writes still running after \(Int(timeout))s; leaving them")
+        } else if !writer.drain(timeout: timeout) {
+            Log.warn("unmount: cache writes still running after \(Int(timeout))s; leaving them")
         }
     }
 
@@ -335,6 +357,24 @@ public final class BlockReader: Sendable {
                 self.retireIfIdle(stream)
             }
             if let afterReply { afterReply.add(store) } else { prefetchPool.submit(store) }
+        } else if let cached = stream.cached {
+            // Read-ahead: the writer thread makes the cache copy, and this thread is free for
+            // the next download. When the writer is behind, this thread waits for room as long
+            // as 2 × `parallel` downloads like this one take (so a disk at an eighth of the
+            // network's speed still gets every part, the downloads slowed to its pace); after
+            // that the part goes uncached. Measured (1 GiB, 4 KiB-per-64 KiB sleeps added to the
+            // cache writes): a 128 MB/s disk read at 125 MB/s before, 540 MB/s with this, 24% cached.
+            cached.open()
+            let patience = config.cacheWrites == .all ? nil : (now() - t0) * Double(2 * max(1, config.parallel))
+            let queued = writer.submit(bytes: Int64(flight.length), patience: patience) { [self] in
+                self.storeToCache(flight, stream)
+                self.cache?.release(cached)
+                self.retireIfIdle(stream)
+            }
+            if !queued {
+                cache?.release(cached)
+                if flight.markStored() { stream.flights.forget(flight) }
+            }
         } else {
             storeToCache(flight, stream)
         }

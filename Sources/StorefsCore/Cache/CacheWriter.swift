@@ -1,0 +1,89 @@
+import Foundation
+import Synchronization
+
+/// What to do with read-ahead the cache disk cannot keep up with (`cache_writes=`).
+public enum CacheWrites: String, Sendable {
+    /// Serve it uncached, so reads keep the network's speed (the default).
+    case keepUp = "keep_up"
+    /// Cache every byte: reads slow down to the disk's write speed.
+    case all
+}
+
+/// Writes downloaded read-ahead into the block cache on a thread of its own, so downloads never
+/// wait long for the disk.
+///
+/// When the prefetch threads wrote their own parts, a cold read went exactly as fast as the
+/// cache disk could write (128 MB/s of cache writes gave 126 MB/s of reading). Now the writes
+/// queue here, up to `maxBacklog` bytes (the parts wait in memory, charged to the memory
+/// budget). A download that finds the queue full waits for room, but no longer than the
+/// download itself took: a disk that keeps up with the network still gets every part (the
+/// downloads slow down to its pace, as before), while a disk slower than that makes parts go
+/// uncached instead of making reads slow (unless `cache_writes=all`). A warning says so once
+/// per mount; what was not cached is fetched again on its next read.
+final class CacheWriter: @unchecked Sendable {
+    let maxBacklog: Int64
+    private var backlog: Int64 = 0
+    private let room = NSCondition()
+    private let pool = Mutex<WorkerPool?>(nil)
+    private let skippedBytes = Atomic<Int64>(0)
+    private let warned = Atomic<Bool>(false)
+
+    init(maxBacklog: Int64) {
+        self.maxBacklog = maxBacklog
+    }
+
+    /// Queues `job`, a cache write of `bytes`, waiting at most `patience` seconds for room (nil:
+    /// as long as it takes); false (and nothing queued) if there was none. An empty queue takes
+    /// any job, however large.
+    func submit(bytes: Int64, patience: Double?, _ job: @escaping @Sendable () -> Void) -> Bool {
+        let deadline = patience.map { Date().addingTimeInterval($0) }
+        room.lock()
+        var taken = true
+        while backlog > 0 && backlog + bytes > maxBacklog {
+            // (wait(until: .distantFuture) traps in swift-corelibs-foundation.)
+            guard let deadline else {
+                room.wait()
+                continue
+            }
+            if !room.wait(until: deadline) {
+                taken = backlog == 0 || backlog + bytes <= maxBacklog
+                break
+            }
+        }
+        if taken { backlog += bytes }
+        room.unlock()
+        guard taken else {
+            skippedBytes.add(bytes, ordering: .relaxed)
+            if !warned.exchange(true, ordering: .relaxed) {
+                Log.warn("cache writes fall behind the downloads (the disk under cache_dir is slower than the network): "
+                         + "some read-ahead is served without being cached")
+            }
+            return false
+        }
+        thread.submit { [self] in
+            job()
+            room.lock()
+            backlog -= bytes
+            room.broadcast()
+            room.unlock()
+        }
+        return true
+    }
+
+    /// Bytes of read-ahead left uncached because the backlog was full.
+    var skipped: Int64 { skippedBytes.load(ordering: .relaxed) }
+
+    /// Waits until every queued write is done, at most `timeout` seconds; false on time-out.
+    func drain(timeout: Double) -> Bool {
+        guard let pool = pool.withLock({ $0 }) else { return true }
+        return pool.drain(timeout: timeout)
+    }
+
+    /// The thread starts on first use, after the daemon has forked.
+    private var thread: WorkerPool {
+        pool.withLock { p in
+            if p == nil { p = WorkerPool(threads: 1, name: "storefs-cachewrite") }
+            return p!
+        }
+    }
+}
