@@ -37,7 +37,7 @@ public struct MountOptions: Sendable, Equatable {
     public var readAhead: Int64 = 64 << 20
     public var parallel = 4
     public var memoryLimit: Int64 = 256 << 20
-    public var cacheWrites: CacheWrites = .keepUp
+    public var cacheWrites: CacheWrites = .all
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
     public var listAhead = 128
     public var statTTL: Double = 60
@@ -97,8 +97,8 @@ public struct MountOptions: Sendable, Equatable {
           -o read_ahead=SIZE largest read-ahead window of a sequential reader (default 64M; 0 = off)
           -o parallel=N      read-ahead downloads in flight at once (default 4)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
-          -o cache_writes=W  read-ahead the cache disk cannot keep up with: keep_up (default; served
-                             uncached, reads keep the network's speed) or all (cached; reads wait for the disk)
+          -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
+                             keep_up (read-ahead the disk cannot keep up with is served uncached)
           -o list_ahead=N    sub-directories listed ahead when a directory is opened (default 128, 0 = off)
           -o stat_ttl=S      seconds object attributes are trusted (default 60)
           -o list_ttl=S      seconds directory listings are trusted (default 60)
@@ -189,7 +189,7 @@ public struct MountOptions: Sendable, Equatable {
             case "read_ahead": o.readAhead = try size(key, value, min: 0)
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
             case "cache_writes":
-                o.cacheWrites = try choice(key, value, "keep_up or all") { CacheWrites(rawValue: $0.lowercased()) }
+                o.cacheWrites = try choice(key, value, "all or keep_up") { CacheWrites(rawValue: $0.lowercased()) }
             case "list_ahead": o.listAhead = try integer(key, value, 0...4096, "a whole number from 0 to 4096")
             case "parallel": o.parallel = try integer(key, value, 1...64, "a whole number from 1 to 64")
             case "stat_ttl": o.statTTL = try seconds(key, value)

@@ -3,29 +3,30 @@ import Synchronization
 
 /// What to do with read-ahead the cache disk cannot keep up with (`cache_writes=`).
 public enum CacheWrites: String, Sendable {
-    /// Serve it uncached, so reads keep the network's speed (the default).
-    case keepUp = "keep_up"
-    /// Cache every byte: reads slow down to the disk's write speed.
+    /// Cache every byte (the default): each prefetch thread writes its part before its next
+    /// download, so reads slow down to the disk's write speed.
     case all
+    /// Write through the `CacheWriter` and serve what it cannot keep up with uncached, so
+    /// reads keep the network's speed.
+    case keepUp = "keep_up"
 }
 
-/// Writes downloaded read-ahead into the block cache on a thread of its own, so downloads never
-/// wait long for the disk.
+/// With `cache_writes=keep_up`, writes downloaded read-ahead into the block cache on a thread of
+/// its own, so downloads never wait long for the disk.
 ///
-/// When the prefetch threads wrote their own parts, a cold read went exactly as fast as the
-/// cache disk could write (128 MB/s of cache writes gave 126 MB/s of reading). Now the writes
-/// queue here, up to `maxBacklog` bytes (the parts wait in memory, charged to the memory
-/// budget). A download that finds the queue full waits for room, but no longer than the
-/// download itself took: a disk that keeps up with the network still gets every part (the
-/// downloads slow down to its pace, as before), while a disk slower than that makes parts go
-/// uncached instead of making reads slow (unless `cache_writes=all`). A warning says so once
-/// per mount; what was not cached is fetched again on its next read.
+/// When the prefetch threads write their own parts (`cache_writes=all`), a cold read goes
+/// exactly as fast as the cache disk writes (128 MB/s of cache writes gave 126 MB/s of
+/// reading). Here the writes queue up to `maxBacklog` bytes (the parts wait in memory, charged
+/// to the memory budget). A download that finds the queue full waits for room for as long as
+/// its caller allows, then its part goes uncached instead of making reads slow. A warning says
+/// so once per mount; what was not cached is fetched again on its next read.
 final class CacheWriter: @unchecked Sendable {
     let maxBacklog: Int64
     private var backlog: Int64 = 0
     private let room = NSCondition()
     private let pool = Mutex<WorkerPool?>(nil)
     private let skippedBytes = Atomic<Int64>(0)
+    private let queuedBytes = Atomic<Int64>(0)
     private let warned = Atomic<Bool>(false)
 
     init(maxBacklog: Int64) {
@@ -60,6 +61,7 @@ final class CacheWriter: @unchecked Sendable {
             }
             return false
         }
+        queuedBytes.add(bytes, ordering: .relaxed)
         thread.submit { [self] in
             job()
             room.lock()
@@ -72,6 +74,8 @@ final class CacheWriter: @unchecked Sendable {
 
     /// Bytes of read-ahead left uncached because the backlog was full.
     var skipped: Int64 { skippedBytes.load(ordering: .relaxed) }
+    /// Bytes of cache writes queued so far.
+    var queued: Int64 { queuedBytes.load(ordering: .relaxed) }
 
     /// Waits until every queued write is done, at most `timeout` seconds; false on time-out.
     func drain(timeout: Double) -> Bool {

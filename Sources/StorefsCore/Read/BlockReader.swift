@@ -9,8 +9,9 @@ import Synchronization
 /// missing block is taken from a download already in flight, or a new download of the run of
 /// missing blocks is made on the calling thread. Sequential streams also schedule read-ahead
 /// downloads of `partSize` on the prefetch threads, up to `parallel` at once, within the
-/// memory budget; their cache copies are written by the `CacheWriter`, so the next download
-/// never waits for the disk. Every download is pinned to the generation seen at open.
+/// memory budget. Each prefetch thread writes its part's cache copy before its next download,
+/// or, with `cache_writes=keep_up`, leaves it to the `CacheWriter` so a slow disk cannot hold
+/// the downloads back. Every download is pinned to the generation seen at open.
 public final class BlockReader: Sendable {
     public struct Config: Sendable {
         public var blockSize: Int
@@ -18,16 +19,15 @@ public final class BlockReader: Sendable {
         public var parallel: Int
         public var partSize: Int64
         public var memoryLimit: Int64
-        /// Read-ahead bytes that may wait in memory for their cache write; beyond that a slow
-        /// disk makes read-ahead go uncached instead of slowing reads down. Default: two parts
-        /// (at most a quarter of `memoryLimit`): it absorbs bursts, the patience rule in
-        /// `execute` decides the rest, and each waiting part is a resident buffer.
+        /// With `cache_writes=keep_up`: read-ahead bytes that may wait in memory for their cache
+        /// write. Default: two parts (at most a quarter of `memoryLimit`); it absorbs bursts, the
+        /// patience rule in `execute` decides the rest, and each waiting part is a resident buffer.
         public var writeBacklog: Int64
         public var cacheWrites: CacheWrites
 
         public init(blockSize: Int = 16 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
                     partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20, writeBacklog: Int64? = nil,
-                    cacheWrites: CacheWrites = .keepUp) {
+                    cacheWrites: CacheWrites = .all) {
             self.blockSize = blockSize
             self.readAhead = readAhead
             self.parallel = parallel
@@ -71,7 +71,7 @@ public final class BlockReader: Sendable {
         let part = Int(max(config.partSize, Int64(config.blockSize)))
         let request = FuseLimits.maxRequest + config.blockSize
         // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped.
-        let parts = config.parallel + Int(config.writeBacklog) / part
+        let parts = config.parallel + (config.cacheWrites == .keepUp ? Int(config.writeBacklog) / part : 0)
         buffers = FlightBufferPool(regionSize: max(part, request),
                                    keep: max(2, min(parts, Int(config.memoryLimit) / part)))
         requestBuffers = FlightBufferPool(regionSize: request, keep: 8)
@@ -357,15 +357,15 @@ public final class BlockReader: Sendable {
                 self.retireIfIdle(stream)
             }
             if let afterReply { afterReply.add(store) } else { prefetchPool.submit(store) }
-        } else if let cached = stream.cached {
-            // Read-ahead: the writer thread makes the cache copy, and this thread is free for
-            // the next download. When the writer is behind, this thread waits for room as long
-            // as 2 × `parallel` downloads like this one take (so a disk at an eighth of the
+        } else if config.cacheWrites == .keepUp, let cached = stream.cached {
+            // Read-ahead, keep_up: the writer thread makes the cache copy, and this thread is
+            // free for the next download. When the writer is behind, this thread waits for room
+            // as long as 2 × `parallel` downloads like this one take (a disk at an eighth of the
             // network's speed still gets every part, the downloads slowed to its pace); after
-            // that the part goes uncached. Measured (1 GiB, 4 KiB-per-64 KiB sleeps added to the
-            // cache writes): a 128 MB/s disk read at 125 MB/s before, 540 MB/s with this, 24% cached.
+            // that the part goes uncached. Measured (1 GiB, sleeps added to the cache writes to
+            // mimic a 128 MB/s disk): reads at 125 MB/s with `all`, ~540 MB/s with this, 24% cached.
             cached.open()
-            let patience = config.cacheWrites == .all ? nil : (now() - t0) * Double(2 * max(1, config.parallel))
+            let patience = (now() - t0) * Double(2 * max(1, config.parallel))
             let queued = writer.submit(bytes: Int64(flight.length), patience: patience) { [self] in
                 self.storeToCache(flight, stream)
                 self.cache?.release(cached)
@@ -376,8 +376,21 @@ public final class BlockReader: Sendable {
                 if flight.markStored() { stream.flights.forget(flight) }
             }
         } else {
+            // Read-ahead, all (the default): this thread writes the copy before its next
+            // download, so reads go no faster than the disk writes.
+            let downloaded = now()
             storeToCache(flight, stream)
+            noteSlowCacheWrite(download: downloaded - t0, write: now() - downloaded)
         }
+    }
+
+    private let slowWritesNoted = Atomic<Bool>(false)
+
+    /// Says once per mount when cache writes, not downloads, set the pace of read-ahead.
+    private func noteSlowCacheWrite(download: Double, write: Double) {
+        guard cache != nil, write > 0.05, write > 2 * download, !slowWritesNoted.exchange(true, ordering: .relaxed) else { return }
+        Log.warn("writing read-ahead to the cache took \(Int(write * 1000)) ms against \(Int(download * 1000)) ms to download it: "
+                 + "the disk under cache_dir sets the read speed; -o cache_writes=keep_up keeps reads at the network's speed")
     }
 
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
