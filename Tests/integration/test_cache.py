@@ -582,6 +582,22 @@ def test_full_cache_disk_degrades_to_streaming(mount, corpus):
     assert u.returncode == 0, f"umount of the tmpfs: {u.stderr}"
 
 
+def test_cache_writes_keep_up_reads_every_byte_and_caches_behind_the_reader(mount, proxy, cdata):
+    """cache_writes=keep_up: read-ahead's cache copies are written by their own thread. The
+    bytes read are exact, and once the writer has caught up (the local disk here keeps up
+    with 20 MiB) a remount serves the file with no media request."""
+    m = mount(CB, endpoint=proxy.endpoint, options=["cache_writes=keep_up"])
+    assert read_file(m.p(SEQ)) == cdata[SEQ]
+    settle(proxy)
+    before = proxy.counts["media"]
+    assert mount.unmount(m) == []        # unmount waits for queued cache writes
+
+    again = mount(CB, endpoint=proxy.endpoint, cache_dir=m.cache_dir, options=["cache_writes=keep_up"])
+    assert read_file(again.p(SEQ)) == cdata[SEQ]
+    settle(proxy)
+    assert proxy.counts["media"] == before, "the remount fetched bytes the first mount had read"
+
+
 # ---------------------------------------------------------------------- 11. modes, names
 def test_cache_layout_modes_and_no_names(mount, cdata):
     m = mount(CB, options=["block_size=64K"])
