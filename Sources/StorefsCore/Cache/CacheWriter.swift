@@ -33,19 +33,13 @@ final class CacheWriter: @unchecked Sendable {
         self.maxBacklog = maxBacklog
     }
 
-    /// Queues `job`, a cache write of `bytes`, waiting at most `patience` seconds for room (nil:
-    /// as long as it takes); false (and nothing queued) if there was none. An empty queue takes
-    /// any job, however large.
-    func submit(bytes: Int64, patience: Double?, _ job: @escaping @Sendable () -> Void) -> Bool {
-        let deadline = patience.map { Date().addingTimeInterval($0) }
+    /// Queues `job`, a cache write of `bytes`, waiting at most `patience` seconds for room;
+    /// false (and nothing queued) if there was none. An empty queue takes any job, however large.
+    func submit(bytes: Int64, patience: Double, _ job: @escaping @Sendable () -> Void) -> Bool {
+        let deadline = Date().addingTimeInterval(patience)
         room.lock()
         var taken = true
         while backlog > 0 && backlog + bytes > maxBacklog {
-            // (wait(until: .distantFuture) traps in swift-corelibs-foundation.)
-            guard let deadline else {
-                room.wait()
-                continue
-            }
             if !room.wait(until: deadline) {
                 taken = backlog == 0 || backlog + bytes <= maxBacklog
                 break

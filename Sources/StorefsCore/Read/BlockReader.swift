@@ -47,6 +47,7 @@ public final class BlockReader: Sendable {
     let buffers: FlightBufferPool
     let requestBuffers: FlightBufferPool
     let writer: CacheWriter
+    private let slowWritesNoted = Atomic<Bool>(false)
     /// The downloads in flight (or finished and not yet read), per object generation.
     private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
     private let pool = Mutex<WorkerPool?>(nil)
@@ -383,8 +384,6 @@ public final class BlockReader: Sendable {
             noteSlowCacheWrite(download: downloaded - t0, write: now() - downloaded)
         }
     }
-
-    private let slowWritesNoted = Atomic<Bool>(false)
 
     /// Says once per mount when cache writes, not downloads, set the pace of read-ahead.
     private func noteSlowCacheWrite(download: Double, write: Double) {
