@@ -242,6 +242,21 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
 }
 
 @Suite struct BlockReaderTests {
+    /// Object "f" of `size` pattern bytes, read through 16 KiB blocks and 4 MiB read-ahead parts
+    /// within 64 MiB of memory: the shape the read-ahead tests share.
+    private func streaming(size: Int, cached: Bool, readAhead: Int64, cacheWrites: CacheWrites = .all,
+                           writer: CacheWriter? = nil) throws -> (MemoryStore, [UInt8], BlockCache?, BlockReader) {
+        let store = MemoryStore()
+        let bytes = pattern(size)
+        store.put("f", bytes)
+        let cache = cached ? try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10) : nil
+        let config = BlockReader.Config(blockSize: 16 << 10, readAhead: readAhead, partSize: 4 << 20, memoryLimit: 64 << 20,
+                                        cacheWrites: cacheWrites)
+        let reader = writer.map { BlockReader(store: store, cache: cache, endpoint: "e", config: config, writer: $0) }
+            ?? BlockReader(store: store, cache: cache, endpoint: "e", config: config)
+        return (store, bytes, cache, reader)
+    }
+
     @Test func concurrentReadersOfOneBlockShareOneDownload() throws {
         let store = MemoryStore()
         store.put("f", pattern(1 << 20))
@@ -286,12 +301,7 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     @Test func readAheadBuffersAreLetGoOnceTheirBytesAreCached() throws {
-        let store = MemoryStore()
-        let bytes = pattern(32 << 20)
-        store.put("f", bytes)
-        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
-        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
-                                 config: .init(blockSize: 16 << 10, readAhead: 16 << 20, partSize: 4 << 20, memoryLimit: 64 << 20))
+        let (store, bytes, _, reader) = try streaming(size: 32 << 20, cached: true, readAhead: 16 << 20)
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<2 {
@@ -310,11 +320,7 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {
-        let store = MemoryStore()
-        let bytes = pattern(16 << 20)
-        store.put("f", bytes)
-        let reader = BlockReader(store: store, cache: nil, endpoint: "e",
-                                 config: .init(blockSize: 16 << 10, readAhead: 8 << 20, partSize: 4 << 20, memoryLimit: 64 << 20))
+        let (store, bytes, _, reader) = try streaming(size: 16 << 20, cached: false, readAhead: 8 << 20)
         let meta = try store.metadata(of: "f")
         store.delayReads(0.5)
         var out = [UInt8](repeating: 0, count: 1 << 20)
@@ -377,15 +383,10 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     @Test func withKeepUpASlowCacheDiskDoesNotSlowSequentialReadsDown() throws {
-        let store = MemoryStore()
-        let bytes = pattern(24 << 20)
-        store.put("f", bytes)
-        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
         let (writer, release) = stalledWriter()
-        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
-                                 config: .init(blockSize: 16 << 10, readAhead: 16 << 20, partSize: 4 << 20, memoryLimit: 64 << 20,
-                                               cacheWrites: .keepUp),
-                                 writer: writer)
+        let (store, bytes, cached, reader) = try streaming(size: 24 << 20, cached: true, readAhead: 16 << 20,
+                                                           cacheWrites: .keepUp, writer: writer)
+        let cache = try #require(cached)
         let stream = reader.openStream(try store.metadata(of: "f"))
         let done = DispatchSemaphore(value: 0)
         let same = Mutex(true)
@@ -407,14 +408,9 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     @Test func byDefaultEveryReadAheadByteIsCachedByTheThreadThatFetchedIt() throws {
-        let store = MemoryStore()
-        let bytes = pattern(16 << 20)
-        store.put("f", bytes)
-        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
         let (writer, release) = stalledWriter()  // cache_writes=all never queues there
-        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
-                                 config: .init(blockSize: 16 << 10, readAhead: 8 << 20, partSize: 4 << 20, memoryLimit: 64 << 20),
-                                 writer: writer)
+        let (store, bytes, cached, reader) = try streaming(size: 16 << 20, cached: true, readAhead: 8 << 20, writer: writer)
+        let cache = try #require(cached)
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<16 {
