@@ -47,12 +47,34 @@ public enum Log {
     private static func emit(_ level: LogLevel, _ message: () -> String) {
         let (enabled, toSyslog) = state.withLock { (level <= $0.level, $0.syslog) }
         guard enabled else { return }
-        let text = message()
+        let text = escaped(message())
         if toSyslog {
             withVaList([text]) { vsyslog(level.syslogPriority, "%s", $0) }
         } else {
             let line = "storefs[\(level.name)] \(text)\n"
             _ = line.withCString { write(2, $0, strlen($0)) }
         }
+    }
+
+    /// `text` with every control character (C0, DEL, C1) written as `\xNN` and `\` as `\\`:
+    /// object names and server messages reach log lines, and a newline or an escape sequence
+    /// in them must not forge a line or drive a terminal.
+    public static func escaped(_ text: String) -> String {
+        func plain(_ s: Unicode.Scalar) -> Bool { s.value >= 0x20 && s.value != 0x7f && !(0x80..<0xa0).contains(s.value) && s != "\\" }
+        if text.unicodeScalars.allSatisfy(plain) { return text }
+        var out = String.UnicodeScalarView()
+        let hex = Array("0123456789abcdef".unicodeScalars)
+        for s in text.unicodeScalars {
+            if plain(s) {
+                out.append(s)
+            } else if s == "\\" {
+                out.append(contentsOf: "\\\\".unicodeScalars)
+            } else {
+                out.append(contentsOf: "\\x".unicodeScalars)
+                out.append(hex[Int(s.value >> 4 & 15)])
+                out.append(hex[Int(s.value & 15)])
+            }
+        }
+        return String(out)
     }
 }

@@ -84,8 +84,10 @@ enum StorefsMain {
                                        fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls,
                                        // v0 listings cost a metadata GET per file: list ahead on GCS only.
                                        listingPrefetch: o.storageProtocol == .gcs ? o.listAhead : 0)
-        let cacheDir = o.cacheDir ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
-                                                                    bucket: o.source.bucket, prefix: o.source.prefix)
+        guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
+                                                                          bucket: o.source.bucket, prefix: o.source.prefix) else {
+            return fail("no home directory to keep the block cache in: give one with -o cache_dir=DIR")
+        }
         let cache: BlockCache
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
@@ -106,6 +108,14 @@ enum StorefsMain {
             return fail(error.message)
         }
     }
+}
+
+/// `path` made absolute against the working directory (the daemon later runs in `/`).
+private func absolute(_ path: String) -> String {
+    if path.hasPrefix("/") { return path }
+    guard let cwd = getcwd(nil, 0) else { return path }
+    defer { free(cwd) }
+    return String(cString: cwd) + "/" + path
 }
 
 enum ProcessInfoEnvironment {

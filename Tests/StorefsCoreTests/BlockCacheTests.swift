@@ -144,10 +144,10 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(objects[0].isCached(0))
         #expect(!objects[1].isCached(0))
         var onDisk: Int64 = 0
-        let e = FileManager.default.enumerator(atPath: cache.root)!
+        let e = FileManager.default.enumerator(atPath: cache.files.versionPath)!
         while let f = e.nextObject() as? String {
             var st = stat()
-            stat(cache.root + "/" + f, &st)
+            stat(cache.files.versionPath + "/" + f, &st)
             if st.st_mode & S_IFMT == S_IFREG { onDisk += Int64(st.st_blocks) * 512 }
         }
         #expect(onDisk <= cap + 8192, "allocated \(onDisk)")
@@ -182,12 +182,13 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     @Test func cacheFilesArePrivateAndNamedByHash() throws {
+        let dir = self.dir + "/fresh"  // made by the cache itself: 0700
         let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))
         var st = stat()
         stat(dir, &st)
         #expect(st.st_mode & 0o777 == 0o700)
-        stat(cache.root, &st)
+        stat(cache.files.versionPath, &st)
         #expect(st.st_mode & 0o777 == 0o700)
         stat(o.path, &st)
         #expect(st.st_mode & 0o777 == 0o600)

@@ -18,7 +18,8 @@ public final class BlockCache: Sendable {
     public let directory: String
     public let capacity: Int64
     public let blockSize: Int
-    let root: String
+    /// Every file operation under `directory` (verified descriptors, never followed links).
+    let files: CacheDirectory
     /// Held (flock) for the life of the process: the lock is released when the process ends.
     private let lockFD: Int32
 
@@ -34,35 +35,25 @@ public final class BlockCache: Sendable {
     static let degradedSeconds = 30.0
 
     /// Opens (creating with mode 0700) the cache directory and loads what earlier mounts left.
+    /// A directory another user could have made or changed is refused (CacheDirectory).
     public init(directory: String, capacity: Int64, blockSize: Int) throws(FilesystemError) {
         self.directory = directory
         self.capacity = capacity
         self.blockSize = blockSize
-        root = directory + "/v\(CacheFileFormat.version)"
-        for dir in [directory, root] {
-            if dir == directory, let slash = directory.lastIndex(of: "/"), slash > directory.startIndex {
-                // Parents (e.g. ~/.cache) may be missing on a fresh account.
-                try? FileManager.default.createDirectory(atPath: String(directory[..<slash]), withIntermediateDirectories: true)
-            }
-            if mkdir(dir, 0o700) != 0 && errno != EEXIST {
-                throw FilesystemError(.invalidArgument,
-                                      "cache_dir \(directory): cannot create \(dir): \(String(cString: strerror(errno))) (choose another with -o cache_dir=DIR)")
-            }
+        do throws(CacheDirectory.Refused) {
+            files = try CacheDirectory(directory: directory, versionName: "v\(CacheFileFormat.version)")
+            lockFD = try files.openLockFile()
+        } catch {
+            throw FilesystemError(.invalidArgument, error.message)
         }
-        var st = stat()
-        guard stat(root, &st) == 0, st.st_mode & S_IFMT == S_IFDIR, access(root, W_OK | X_OK) == 0 else {
-            throw FilesystemError(.invalidArgument, "cache_dir \(directory) is not a writable directory (choose another with -o cache_dir=DIR)")
-        }
-        if st.st_uid == geteuid() { chmod(root, 0o700) }
-        if stat(directory, &st) == 0, st.st_uid == geteuid() { chmod(directory, 0o700) }
         // One process per cache: each enforces the cap on what it knows and cleans up at start.
-        lockFD = Glibc.open(root + "/.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
-        guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
+        guard flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
             let busy = errno == EWOULDBLOCK
-            if lockFD >= 0 { Glibc.close(lockFD) }
+            let why = String(cString: strerror(errno))
+            Glibc.close(lockFD)
             throw FilesystemError(.invalidArgument, busy
                 ? "cache_dir \(directory) is in use by another storefs process: give each mount its own cache_dir="
-                : "cache_dir \(directory): cannot lock \(root)/.lock: \(String(cString: strerror(errno)))")
+                : "cache_dir \(directory): cannot lock \(files.versionPath)/.lock: \(why)")
         }
         loadExisting()
     }
@@ -88,35 +79,40 @@ public final class BlockCache: Sendable {
         return String(decoding: out, as: UTF8.self)
     }
 
-    private func path(forHex hex: String) -> String { "\(root)/\(hex.prefix(2))/\(hex).blk" }
+    /// Where the file of `hex` lies (for messages and tests; it is never opened by this path).
+    func path(forHex hex: String) -> String { "\(files.versionPath)/\(hex.prefix(2))/\(hex).blk" }
 
     /// The cache entry of an object generation, created if needed and marked in use; nil when
     /// caching is off (degraded) and nothing is cached for it.
     func acquire(endpoint: String, meta: ObjectMetadata) -> CachedObject? {
         let hash = Self.keyHash(endpoint: endpoint, bucket: meta.bucket, name: meta.name, generation: meta.generation)
         let hex = Self.hex(hash)
-        let existing: CachedObject? = state.withLock { $0.objects[hex] }
-        if let existing, existing.format.objectSize == meta.size, existing.format.blockSize == blockSize {
-            existing.open()
-            return existing
+        // Marked in use under the cache's lock: eviction removes only unused files, under it too.
+        let existing: CachedObject? = state.withLock { s in
+            guard let o = s.objects[hex], o.format.objectSize == meta.size, o.format.blockSize == blockSize else { return nil }
+            o.open()
+            return o
         }
+        if let existing { return existing }
         if isDegraded { return nil }
         // One creator at a time: two first opens racing to rename a file onto the same name
         // would otherwise leave one of them writing into an unlinked file.
         creating.lock()
         defer { creating.unlock() }
-        if let raced = state.withLock({ $0.objects[hex] }), raced.format.objectSize == meta.size {
-            raced.open()
-            return raced
+        let raced: CachedObject? = state.withLock { s in
+            guard let o = s.objects[hex], o.format.objectSize == meta.size, o.format.blockSize == blockSize else { return nil }
+            o.open()
+            return o
         }
+        if let raced { return raced }
         let format = CacheFileFormat(blockSize: blockSize, objectSize: meta.size, generation: meta.generation, keyHash: hash)
         guard let created = create(format: format, hex: hex) else { return nil }
         state.withLock { s in
             if let stale = s.objects[hex] { s.usedBytes -= stale.overheadBytes + stale.storedBytes }
             s.objects[hex] = created
             s.usedBytes += created.overheadBytes
+            created.open()
         }
-        created.open()
         return created
     }
 
@@ -169,7 +165,7 @@ public final class BlockCache: Sendable {
             for o in objects where o.isEmptyAndUnused {
                 if s.objects[o.hex] === o {
                     s.objects.removeValue(forKey: o.hex)
-                    unlink(o.path)
+                    files.removeFile(o.hex)
                     removed += o.overheadBytes
                 }
             }
@@ -179,47 +175,22 @@ public final class BlockCache: Sendable {
     }
 
     private func create(format: CacheFileFormat, hex: String) -> CachedObject? {
-        let dir = "\(root)/\(hex.prefix(2))"
-        if mkdir(dir, 0o700) != 0 && errno != EEXIST {
-            degrade("cannot create \(dir): \(String(cString: strerror(errno)))")
+        let made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
+        if let why = made.error {
+            degrade(why)
             return nil
         }
-        let final = path(forHex: hex)
-        let temp = "\(final).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
-        let fd = Glibc.open(temp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
-        guard fd >= 0 else {
-            degrade("cannot create a cache file: \(String(cString: strerror(errno)))")
-            return nil
-        }
-        defer { Glibc.close(fd) }
-        let header = format.encodeHeader()
-        let ok = header.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } == header.count
-            && ftruncate(fd, off_t(format.dataOffset + format.objectSize)) == 0
-        guard ok, rename(temp, final) == 0 else {
-            let why = String(cString: strerror(errno))
-            unlink(temp)
-            degrade("cannot write a cache file: \(why)")
-            return nil
-        }
-        return CachedObject(cache: self, format: format, hex: hex, path: final,
+        return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex),
                             entries: Array(repeating: .absent, count: format.blockCount), tick: tick())
     }
 
     /// Start-up scan: reuse valid files (oldest first in LRU order), delete anything else.
     private func loadExisting() {
         var found: [(mtime: Int, object: CachedObject)] = []
-        guard let shards = try? FileManager.default.contentsOfDirectory(atPath: root) else { return }
-        for shard in shards {
-            let dir = "\(root)/\(shard)"
-            guard let files = try? FileManager.default.contentsOfDirectory(atPath: dir) else { continue }
-            for file in files {
-                let path = "\(dir)/\(file)"
-                guard file.hasSuffix(".blk"), file.count == 68, let loaded = load(path: path, hex: String(file.prefix(64))) else {
-                    unlink(path)  // temp files of a crashed write, other versions, garbage
-                    continue
-                }
-                found.append(loaded)
-            }
+        files.scan { hex, fd, mtime in
+            guard let object = load(fd: fd, hex: hex) else { return false }
+            found.append((mtime, object))
+            return true
         }
         found.sort { $0.mtime < $1.mtime }
         var used: Int64 = 0
@@ -235,10 +206,8 @@ public final class BlockCache: Sendable {
         Log.debug("cache loaded objects=\(found.count) bytes=\(used) dir=\(directory)")
     }
 
-    private func load(path: String, hex: String) -> (Int, CachedObject)? {
-        let fd = Glibc.open(path, O_RDONLY | O_CLOEXEC)
-        guard fd >= 0 else { return nil }
-        defer { Glibc.close(fd) }
+    /// The cached object in an open cache file, or nil when the file is not a valid one.
+    private func load(fd: Int32, hex: String) -> CachedObject? {
         var st = stat()
         guard fstat(fd, &st) == 0 else { return nil }
         var header = [UInt8](repeating: 0, count: CacheFileFormat.headerSize)
@@ -256,8 +225,7 @@ public final class BlockCache: Sendable {
         for i in entries.indices where entries[i].length != 0 && Int(entries[i].length) != format.blockLength(i) {
             entries[i] = .absent
         }
-        let o = CachedObject(cache: self, format: format, hex: hex, path: path, entries: entries, tick: 0)
-        return (st.st_mtim.tv_sec, o)
+        return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex), entries: entries, tick: 0)
     }
 }
 
@@ -305,7 +273,7 @@ final class CachedObject: Sendable {
     func open() {
         state.withLock { s in
             s.users += 1
-            if s.fd < 0 { s.fd = Glibc.open(path, O_RDWR | O_CLOEXEC) }
+            if s.fd < 0 { s.fd = cache.files.openFile(hex) ?? -1 }
         }
     }
 
@@ -467,22 +435,24 @@ final class CachedObject: Sendable {
         }
     }
 
-    /// Drops a block from the index and the disk; returns the disk bytes freed.
+    /// Drops a block from the index and the disk; returns the disk bytes freed. The descriptor
+    /// is used under the lock that guards its lifetime: a descriptor closed and reused meanwhile
+    /// would otherwise take these writes into another file.
     func evict(block: Int) -> Int64 {
-        let (entry, fd, temporary) = state.withLock { s -> (CacheFileFormat.Entry, Int32, Bool) in
-            let e = s.entries[block]
+        state.withLock { s -> Int64 in
+            let entry = s.entries[block]
+            guard entry.length != 0 else { return 0 }
             s.entries[block] = .absent
-            if s.fd >= 0 { return (e, s.fd, false) }
-            return (e, Glibc.open(path, O_RDWR | O_CLOEXEC), true)
+            let temporary = s.fd < 0
+            let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
+            if fd >= 0 {
+                let zero = CacheFileFormat.encode(.absent)
+                _ = zero.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(block))) }
+                _ = SparseFile.punchHole(fd, offset: format.blockOffset(block), length: Int64(entry.length))
+                if temporary { Glibc.close(fd) }
+            }
+            return Self.diskBytes(Int(entry.length))
         }
-        guard entry.length != 0 else { return 0 }
-        if fd >= 0 {
-            let zero = CacheFileFormat.encode(.absent)
-            _ = zero.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(block))) }
-            _ = SparseFile.punchHole(fd, offset: format.blockOffset(block), length: Int64(entry.length))
-            if temporary { Glibc.close(fd) }
-        }
-        return Self.diskBytes(Int(entry.length))
     }
 
     /// A block that failed verification is removed, unless a writer replaced it meanwhile.

@@ -2,19 +2,31 @@ import Glibc
 
 /// Where the block cache lives and how large it may grow when the options do not say.
 public enum CacheLocation {
-    /// `/var/cache/storefs` for root, else `$XDG_CACHE_HOME/storefs` or `~/.cache/storefs`.
-    public static func defaultDirectory(environment: [String: String]) -> String {
+    /// `/var/cache/storefs` for root, else `$XDG_CACHE_HOME/storefs` or `~/.cache/storefs`
+    /// (home from `HOME`, else the password database). nil when there is no home: never a
+    /// guessable shared place such as `/tmp`, where another user could be there first.
+    public static func defaultDirectory(environment: [String: String]) -> String? {
         if geteuid() == 0 { return "/var/cache/storefs" }
         if let xdg = environment["XDG_CACHE_HOME"], xdg.hasPrefix("/") { return xdg + "/storefs" }
-        let home = environment["HOME"] ?? "/tmp"
+        guard let home = environment["HOME"].flatMap({ $0.hasPrefix("/") ? $0 : nil }) ?? passwordHome() else { return nil }
         return home + "/.cache/storefs"
+    }
+
+    private static func passwordHome() -> String? {
+        var pw = passwd()
+        var result: UnsafeMutablePointer<passwd>? = nil
+        var buffer = [CChar](repeating: 0, count: 16384)
+        guard getpwuid_r(geteuid(), &pw, &buffer, buffer.count, &result) == 0, result != nil, let dir = pw.pw_dir else { return nil }
+        let home = String(cString: dir)
+        return home.hasPrefix("/") && home != "/" ? home : nil
     }
 
     /// The default cache of one mount source: a subdirectory of `defaultDirectory` named by a
     /// hash of endpoint, bucket and prefix, so that mounts of different sources never share one.
-    public static func defaultDirectory(environment: [String: String], endpoint: String, bucket: String, prefix: String) -> String {
+    public static func defaultDirectory(environment: [String: String], endpoint: String, bucket: String, prefix: String) -> String? {
         let key = Array("\(endpoint)\u{0}\(bucket)\u{0}\(prefix)".utf8)
-        return defaultDirectory(environment: environment) + "/" + BlockCache.hex(Checksum.sha256(key)).prefix(16)
+        guard let base = defaultDirectory(environment: environment) else { return nil }
+        return base + "/" + BlockCache.hex(Checksum.sha256(key)).prefix(16)
     }
 
     /// 10 GiB, or half of the free space of the file system holding `directory` if that is

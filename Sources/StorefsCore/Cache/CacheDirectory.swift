@@ -1,0 +1,332 @@
+import Glibc
+
+/// Every file-system access of the block cache, made relative to directory descriptors that
+/// were verified once: nothing under `cache_dir` is reached by a path another user could have
+/// redirected. docs/security.md ("The cache directory") gives the rules; in short:
+///
+/// - `cache_dir` itself is opened with `O_NOFOLLOW`: it must be a real directory owned by the
+///   mounting user and writable by nobody else. A missing one is created with mode 0700.
+/// - Every existing ancestor must be owned by root or the mounting user and may be writable by
+///   others only with the sticky bit (`/tmp`); a symbolic link on the way must be owned by
+///   root or the mounting user. Nothing that fails is ever chmodded: it is refused, by name.
+/// - Below it (`v1/`, shards, cache files, `.lock`) every open is an `openat` with
+///   `O_NOFOLLOW | O_NONBLOCK` and an `fstat` check (a directory or a regular file of ours,
+///   one link): a symlink, FIFO, device or foreign file found there is unlinked (the link
+///   itself, never its target) and never opened for I/O.
+final class CacheDirectory: Sendable {
+    /// The directory as the user named it (for messages).
+    let path: String
+    /// `cache_dir/v<version>`: the only directory cache files live under.
+    let versionPath: String
+    private let versionFD: Int32
+    private let owner: uid_t
+
+    struct Refused: Error {
+        let message: String
+    }
+
+    /// Opens (creating where missing) `directory` and `directory/<versionName>`, checking both
+    /// and every ancestor. Throws a one-line reason naming the offending path.
+    init(directory: String, versionName: String) throws(Refused) {
+        owner = geteuid()
+        guard directory.hasPrefix("/") else {
+            throw Refused(message: "cache_dir \(directory) is not an absolute path: give -o cache_dir=/absolute/path")
+        }
+        path = directory
+        versionPath = directory + "/" + versionName
+        let top = try Self.openVerifiedPath(directory, owner: owner)
+        defer { close(top) }
+        versionFD = try Self.openOwnedSubdirectory(top, versionName, shown: versionPath, owner: owner, replaceLinks: true)
+    }
+
+    deinit { close(versionFD) }
+
+    // MARK: Opening the top directory
+
+    /// Walks `path` from `/`, one component at a time, creating missing ones (0700) and
+    /// checking each; returns a descriptor of the last one, which must be ours and private.
+    private static func openVerifiedPath(_ path: String, owner: uid_t) throws(Refused) -> Int32 {
+        let components = path.split(separator: "/").map(String.init)
+        var fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard fd >= 0 else { throw Refused(message: "cache_dir \(path): cannot open /: \(errnoText())") }
+        var walked = ""
+        for (i, name) in components.enumerated() {
+            if name == "." || name == ".." {
+                close(fd)
+                throw Refused(message: "cache_dir \(path) contains '\(name)': give the plain absolute path")
+            }
+            walked += "/" + name
+            let last = i == components.count - 1
+            var st = stat()
+            if fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 {
+                guard errno == ENOENT else {
+                    let why = errnoText()
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path): cannot examine \(walked): \(why)")
+                }
+                if mkdirat(fd, name, 0o700) != 0 && errno != EEXIST {
+                    let why = errnoText()
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path): cannot create \(walked): \(why) (choose another with -o cache_dir=DIR)")
+                }
+                guard fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 else {
+                    let why = errnoText()
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path): cannot examine \(walked): \(why)")
+                }
+            }
+            if st.st_mode & S_IFMT == S_IFLNK {
+                // A link on the way is followed only when nobody else could have made it; the
+                // cache directory itself is never a link.
+                guard !last else {
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path) is a symbolic link: give the real directory it points to")
+                }
+                guard st.st_uid == 0 || st.st_uid == owner else {
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path): \(walked) is a symbolic link owned by uid \(st.st_uid), not by root or uid \(owner)")
+                }
+            }
+            let next = openat(fd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | (last ? O_NOFOLLOW : 0))
+            let openErrno = errno
+            close(fd)
+            guard next >= 0 else {
+                if openErrno == ENOTDIR || openErrno == ELOOP {
+                    throw Refused(message: "cache_dir \(path): \(walked) is not a directory")
+                }
+                throw Refused(message: "cache_dir \(path): cannot open \(walked): \(String(cString: strerror(openErrno)))")
+            }
+            fd = next
+            guard fstat(fd, &st) == 0 else {
+                close(fd)
+                throw Refused(message: "cache_dir \(path): cannot examine \(walked): \(errnoText())")
+            }
+            let mode = st.st_mode & 0o7777
+            if last {
+                guard st.st_uid == owner else {
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path) is owned by uid \(st.st_uid), not by the mounting user (uid \(owner)): use a directory of your own")
+                }
+                guard mode & 0o022 == 0 else {
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path) is writable by other users (mode \(octal(mode))): run chmod go-w \(path), or use a private directory")
+                }
+            } else {
+                guard st.st_uid == 0 || st.st_uid == owner else {
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path): its parent \(walked) is owned by uid \(st.st_uid), not by root or uid \(owner)")
+                }
+                guard mode & 0o022 == 0 || mode & S_ISVTX != 0 else {
+                    close(fd)
+                    throw Refused(message: "cache_dir \(path): its parent \(walked) is writable by other users without the sticky bit (mode \(octal(mode)))")
+                }
+            }
+        }
+        return fd
+    }
+
+    /// Opens directory `name` under `parent`, creating it (0700) if missing. It must be a
+    /// directory of `owner` that nobody else may write. With `replaceLinks`, a symlink or
+    /// non-directory in its place is unlinked and a fresh directory made.
+    private static func openOwnedSubdirectory(_ parent: Int32, _ name: String, shown: String, owner: uid_t,
+                                              replaceLinks: Bool) throws(Refused) -> Int32 {
+        for _ in 0..<2 {
+            if mkdirat(parent, name, 0o700) != 0 && errno != EEXIST {
+                throw Refused(message: "cannot create \(shown): \(errnoText())")
+            }
+            let fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+            if fd < 0 {
+                let e = errno
+                guard replaceLinks, e == ELOOP || e == ENOTDIR else {
+                    throw Refused(message: "cannot open \(shown): \(String(cString: strerror(e)))")
+                }
+                Log.warn("cache: \(shown) is not a directory (a link or a file): replacing it")
+                unlinkat(parent, name, 0)
+                continue
+            }
+            var st = stat()
+            guard fstat(fd, &st) == 0 else {
+                close(fd)
+                throw Refused(message: "cannot examine \(shown): \(errnoText())")
+            }
+            guard st.st_uid == owner else {
+                close(fd)
+                throw Refused(message: "\(shown) is owned by uid \(st.st_uid), not by the mounting user (uid \(owner)): remove it or use another cache_dir")
+            }
+            guard st.st_mode & 0o022 == 0 else {
+                close(fd)
+                throw Refused(message: "\(shown) is writable by other users (mode \(octal(st.st_mode & 0o7777))): run chmod go-w \(shown)")
+            }
+            return fd
+        }
+        throw Refused(message: "cannot create \(shown): something keeps replacing it")
+    }
+
+    // MARK: Files under the version directory
+
+    /// Opens (creating) the lock file; a link or non-regular file in its place is replaced.
+    func openLockFile() throws(Refused) -> Int32 {
+        for _ in 0..<2 {
+            let fd = openat(versionFD, ".lock", O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0o600)
+            if fd < 0 {
+                guard errno == ELOOP else { throw Refused(message: "cannot open \(versionPath)/.lock: \(errnoText())") }
+                unlinkat(versionFD, ".lock", 0)
+                continue
+            }
+            if isOwnRegularFile(fd) { return fd }
+            close(fd)
+            unlinkat(versionFD, ".lock", 0)
+        }
+        throw Refused(message: "cannot create \(versionPath)/.lock: something keeps replacing it")
+    }
+
+    /// The shard directory of `hex` (created if asked): nil unless it is a private directory of
+    /// ours. A link or file in its place is unlinked (and, when creating, replaced).
+    private func shard(_ hex: String, create: Bool) -> Int32? {
+        let name = String(hex.prefix(2))
+        for _ in 0..<2 {
+            if create, mkdirat(versionFD, name, 0o700) != 0, errno != EEXIST { return nil }
+            let fd = openat(versionFD, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+            guard fd >= 0 else {
+                guard errno == ELOOP || errno == ENOTDIR else { return nil }
+                unlinkat(versionFD, name, 0)
+                if create { continue }
+                return nil
+            }
+            var st = stat()
+            guard fstat(fd, &st) == 0, st.st_uid == owner, st.st_mode & 0o022 == 0 else {
+                close(fd)
+                return nil
+            }
+            return fd
+        }
+        return nil
+    }
+
+    static func fileName(_ hex: String) -> String { hex + ".blk" }
+
+    /// Opens the cache file of `hex` for reading and writing: nil unless it is a regular file of
+    /// ours with one link (anything else in its place is removed).
+    func openFile(_ hex: String) -> Int32? {
+        guard let dir = shard(hex, create: false) else { return nil }
+        defer { close(dir) }
+        let name = Self.fileName(hex)
+        let fd = openat(dir, name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+        guard fd >= 0 else {
+            if errno == ELOOP { unlinkat(dir, name, 0) }
+            return nil
+        }
+        guard isOwnRegularFile(fd) else {
+            close(fd)
+            unlinkat(dir, name, 0)
+            return nil
+        }
+        return fd
+    }
+
+    /// Writes a new cache file (`header`, then sized to `size`) under a temporary name and
+    /// renames it into place. Returns nil and a reason on failure.
+    func createFile(_ hex: String, header: [UInt8], size: Int64) -> (created: Bool, error: String?) {
+        guard let dir = shard(hex, create: true) else {
+            return (false, "cannot create the shard directory \(versionPath)/\(hex.prefix(2)): \(errnoText())")
+        }
+        defer { close(dir) }
+        let final = Self.fileName(hex)
+        let temp = "\(final).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        let fd = openat(dir, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        guard fd >= 0 else { return (false, "cannot create a cache file: \(errnoText())") }
+        defer { close(fd) }
+        let ok = header.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } == header.count
+            && ftruncate(fd, off_t(size)) == 0
+        guard ok, renameat(dir, temp, dir, final) == 0 else {
+            let why = errnoText()
+            unlinkat(dir, temp, 0)
+            return (false, "cannot write a cache file: \(why)")
+        }
+        return (true, nil)
+    }
+
+    /// Removes the cache file of `hex` (the name only: a link is never followed).
+    func removeFile(_ hex: String) {
+        guard let dir = shard(hex, create: false) else { return }
+        unlinkat(dir, Self.fileName(hex), 0)
+        close(dir)
+    }
+
+    /// Start-up scan: calls `visit(hex, fd, mtime)` for every regular cache file of ours (the
+    /// descriptor is closed after the call); `visit` returns false for a file to be deleted.
+    /// Everything else under the version directory — temp files of a crashed write, other
+    /// versions' names, links, FIFOs, foreign files — is unlinked, never followed or opened
+    /// for I/O. Unknown sub-directories are left alone (and logged).
+    func scan(_ visit: (String, Int32, Int) -> Bool) {
+        for (name, type) in entries(of: versionFD) where name != ".lock" {
+            guard name.utf8.count == 2, name.utf8.allSatisfy(Self.isHex) else {
+                if type == DT_DIR {
+                    Log.warn("cache: leaving unknown directory \(versionPath)/\(name) alone")
+                } else {
+                    unlinkat(versionFD, name, 0)
+                }
+                continue
+            }
+            guard type == DT_DIR || type == DT_UNKNOWN, let dir = shard(name + "00", create: false) else {
+                unlinkat(versionFD, name, 0)  // a link or a file where a shard should be
+                continue
+            }
+            defer { close(dir) }
+            for (file, _) in entries(of: dir) {
+                let utf8 = Array(file.utf8)
+                let hex = String(file.prefix(64))
+                guard utf8.count == 68, file.hasSuffix(".blk"), utf8[0..<64].allSatisfy(Self.isHex),
+                      hex.hasPrefix(name) else {
+                    unlinkat(dir, file, 0)
+                    continue
+                }
+                let fd = openat(dir, file, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+                guard fd >= 0 else {
+                    unlinkat(dir, file, 0)
+                    continue
+                }
+                var st = stat()
+                let keep = isOwnRegularFile(fd) && fstat(fd, &st) == 0 && visit(hex, fd, st.st_mtim.tv_sec)
+                close(fd)
+                if !keep { unlinkat(dir, file, 0) }
+            }
+        }
+    }
+
+    private static func isHex(_ b: UInt8) -> Bool {
+        (b >= UInt8(ascii: "0") && b <= UInt8(ascii: "9")) || (b >= UInt8(ascii: "a") && b <= UInt8(ascii: "f"))
+    }
+
+    /// Names and types of a directory's entries (without `.` and `..`).
+    private func entries(of dirFD: Int32) -> [(String, Int32)] {
+        let copy = dup(dirFD)
+        guard copy >= 0, let dir = fdopendir(copy) else {
+            if copy >= 0 { close(copy) }
+            return []
+        }
+        defer { closedir(dir) }
+        rewinddir(dir)
+        var out: [(String, Int32)] = []
+        while let e = readdir(dir) {
+            let name = withUnsafeBytes(of: e.pointee.d_name) { raw in
+                String(decoding: raw.prefix(while: { $0 != 0 }), as: UTF8.self)
+            }
+            if name == "." || name == ".." { continue }
+            out.append((name, Int32(e.pointee.d_type)))
+        }
+        return out
+    }
+
+    private func isOwnRegularFile(_ fd: Int32) -> Bool {
+        var st = stat()
+        return fstat(fd, &st) == 0 && st.st_mode & S_IFMT == S_IFREG && st.st_uid == owner && st.st_nlink == 1
+    }
+}
+
+private func errnoText() -> String { String(cString: strerror(errno)) }
+
+private func octal(_ mode: mode_t) -> String {
+    let s = String(mode, radix: 8)
+    return String(repeating: "0", count: max(0, 4 - s.count)) + s
+}
