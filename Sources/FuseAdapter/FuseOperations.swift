@@ -45,7 +45,7 @@ func makeStat(_ a: FileAttributes) -> stat {
     st.st_gid = a.gid
     st.st_size = Int(a.size)
     st.st_blksize = 1 << 20
-    st.st_blocks = Int((a.size + 511) / 512)
+    st.st_blocks = Int(a.size / 512 + (a.size % 512 == 0 ? 0 : 1))  // no overflow for any size
     let ts = timespec(tv_sec: Int(a.modified.seconds), tv_nsec: Int(a.modified.nanoseconds))
     st.st_mtim = ts
     st.st_ctim = ts

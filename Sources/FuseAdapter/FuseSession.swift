@@ -42,9 +42,13 @@ public enum FuseSession {
         let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers)
         var options = ["ro", "subtype=storefs", "default_permissions"]
         if !settings.fuseOptions.contains(where: { $0.hasPrefix("fsname=") }) {
-            options.append("fsname=" + settings.fsname.replacingOccurrences(of: ",", with: "\\,"))
+            options.append("fsname=" + settings.fsname)
         }
         options += settings.fuseOptions.filter { $0 != "default_permissions" }
+        // Values are escaped for libfuse's own splitting, so `fsname=x\,suid` stays one value
+        // and cannot smuggle a mount flag in; and nosuid/nodev come last, so nothing before
+        // them can undo them.
+        options = options.map(Self.escapeOption) + ["nosuid", "nodev"]
         var argvStrings = ["storefs", "-o", options.joined(separator: ",")]
         if settings.debug { argvStrings.append("-d") }
         let argv = UnsafeMutablePointer<UnsafeMutablePointer<CChar>?>.allocate(capacity: argvStrings.count + 1)
@@ -101,6 +105,16 @@ public enum FuseSession {
         Log.info("unmounting \(settings.mountpoint) (loop status \(rc))")
         // rc is 0 on unmount, or the number of the signal that ended the loop: both are clean.
         return rc < 0 ? 1 : 0
+    }
+
+    /// One `-o` item as libfuse reads it: `\` and `,` inside it are escaped with `\`.
+    static func escapeOption(_ item: String) -> String {
+        var out = ""
+        for c in item {
+            if c == "\\" || c == "," { out.append("\\") }
+            out.append(c)
+        }
+        return out
     }
 
     /// Writes `read_ahead_kb` of the mount's backing device so buffered sequential reads arrive

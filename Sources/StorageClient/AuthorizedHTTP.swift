@@ -16,9 +16,11 @@ struct AuthorizedHTTP: Sendable {
         self.http = http
         self.credentials = credentials
         self.retry = retry
-        if credentials.sendsSecrets && e.lowercased().hasPrefix("http://") && !GCSJSONStore.isLoopback(e) {
-            throw StorageError(.invalidArgument,
-                               "refusing to send credentials over plain http to \(e): use https, a loopback endpoint, or -o anonymous")
+        guard URLOrigin(e) != nil else {
+            throw StorageError(.invalidArgument, "endpoint \(HTTPClient.origin(of: e)) is not an http:// or https:// URL")
+        }
+        if credentials.sendsSecrets, let why = URLOrigin.refusalToSendSecrets(to: e) {
+            throw StorageError(.invalidArgument, why)
         }
     }
 
@@ -34,25 +36,35 @@ struct AuthorizedHTTP: Sendable {
             response = try send(try headers(forceRefresh: true))
         }
         guard (200..<300).contains(response.status) else {
-            throw StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
+            var error = StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
+            error.retryAfter = response.headers["retry-after"].flatMap { Double($0.trimmingCharacters(in: .whitespaces)) }
+                .flatMap { $0 >= 0 && $0.isFinite ? $0 : nil }
+            throw error
         }
         return response
     }
 
-    /// GET a JSON object, with retries.
-    func getJSON(_ url: String, what: String, policy: RetryPolicy? = nil) throws(StorageError) -> [String: Any] {
-        let response = try (policy ?? retry).run { () throws(StorageError) -> HTTPResponse in
-            try exchange(what) { h throws(StorageError) in try http.get(url, headers: h) }
+    /// The largest JSON answer taken: a listing page of 1,000 items with metadata is ~1–2 MB;
+    /// parsing costs tens of times the text in memory, so a hostile 60 MB page is refused.
+    static let jsonLimit = 8 << 20
+
+    /// GET a JSON object, with retries, within the policy's time budget.
+    func getJSON(_ url: String, what: String, policy: RetryPolicy? = nil,
+                 isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> [String: Any] {
+        let response = try (policy ?? retry).run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
+            try exchange(what) { h throws(StorageError) in
+                try http.get(url, headers: h, limit: Self.jsonLimit, deadline: deadline, isCancelled: isCancelled)
+            }
         }
         return try Self.jsonObject(response.body)
     }
 
-    /// Ranged GET into `buffer`, with retries.
+    /// Ranged GET into `buffer`, with retries, within the time budget.
     func getRange(_ url: String, what: String, start: Int64, into buffer: UnsafeMutableRawBufferPointer,
                   isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> HTTPResponse {
-        try retry.run { () throws(StorageError) -> HTTPResponse in
+        try retry.run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
-                try http.getRange(url, headers: h, start: start, into: buffer, isCancelled: isCancelled)
+                try http.getRange(url, headers: h, start: start, into: buffer, deadline: deadline, isCancelled: isCancelled)
             }
         }
     }

@@ -119,10 +119,23 @@ public struct ObjectMetadata: Sendable, Equatable {
         return updated
     }
 
+    /// The largest object size believed (GCS's own limit is 5 TiB): sizes are used in block,
+    /// offset and `st_blocks` arithmetic, and a hostile `Int64.max` must not trap there.
+    public static let maxSize: Int64 = 5 << 40
+
     /// Parses an object resource (GCS JSON API or Firebase v0); numbers may be strings or numbers.
+    /// `size` and `generation` are the object's identity (its cache key and what every read is
+    /// pinned to): a resource without them, or with values out of range, is refused, never
+    /// given a default that two objects could share.
     public static func parse(json: [String: Any], defaultBucket: String) throws(StorageError) -> ObjectMetadata {
-        guard let name = json["name"] as? String else {
+        guard let name = json["name"] as? String, !name.isEmpty else {
             throw StorageError(.invalidResponse, "object resource without a name")
+        }
+        guard let size = int64(json["size"]), (0...maxSize).contains(size) else {
+            throw StorageError(.invalidResponse, "object \(name): size \(json["size"].map { "\($0)".prefix(40) } ?? "missing") is missing or out of range")
+        }
+        guard let generation = int64(json["generation"]), generation > 0 else {
+            throw StorageError(.invalidResponse, "object \(name): generation \(json["generation"].map { "\($0)".prefix(40) } ?? "missing") is missing or not positive")
         }
         var custom: [String: String] = [:]
         if let m = json["metadata"] as? [String: Any] {
@@ -141,8 +154,8 @@ public struct ObjectMetadata: Sendable, Equatable {
         return ObjectMetadata(
             name: name,
             bucket: (json["bucket"] as? String) ?? defaultBucket,
-            size: int64(json["size"]) ?? 0,
-            generation: int64(json["generation"]) ?? 0,
+            size: size,
+            generation: generation,
             metageneration: int64(json["metageneration"]) ?? 1,
             updated: updated,
             contentType: nonEmpty(json["contentType"]),
@@ -159,9 +172,15 @@ public struct ObjectMetadata: Sendable, Equatable {
         return s
     }
 
+    /// A whole number given as a string or a JSON number; nil for anything else (a fraction,
+    /// a number out of Int64's range).
     static func int64(_ v: Any?) -> Int64? {
         if let s = v as? String { return Int64(s) }
-        if let n = v as? NSNumber { return n.int64Value }
+        if let n = v as? NSNumber {
+            let d = n.doubleValue
+            guard d.isFinite, d == d.rounded(), abs(d) < 9.2e18 else { return nil }
+            return n.int64Value
+        }
         return nil
     }
 }
@@ -181,5 +200,32 @@ public struct ListPage: Sendable {
         self.prefixes = prefixes
         self.nextPageToken = nextPageToken
         self.metadataComplete = metadataComplete
+    }
+
+    /// The three fields of a listing page, checked: a page whose `items` or `prefixes` is not a
+    /// list (of objects, of strings) is an error, never a silently shorter listing.
+    static func fields(of json: [String: Any], what: String) throws(StorageError) -> (items: [[String: Any]], prefixes: [String], token: String?) {
+        var items: [[String: Any]] = []
+        if let raw = json["items"] {
+            guard let list = raw as? [Any] else { throw StorageError(.invalidResponse, "\(what): 'items' is not a list") }
+            for case let entry in list {
+                guard let item = entry as? [String: Any] else { throw StorageError(.invalidResponse, "\(what): an item is not an object") }
+                items.append(item)
+            }
+        }
+        var prefixes: [String] = []
+        if let raw = json["prefixes"] {
+            guard let list = raw as? [Any] else { throw StorageError(.invalidResponse, "\(what): 'prefixes' is not a list") }
+            for entry in list {
+                guard let p = entry as? String else { throw StorageError(.invalidResponse, "\(what): a prefix is not a string") }
+                prefixes.append(p)
+            }
+        }
+        var token: String?
+        if let raw = json["nextPageToken"] {
+            guard let t = raw as? String else { throw StorageError(.invalidResponse, "\(what): 'nextPageToken' is not a string") }
+            token = t.isEmpty ? nil : t
+        }
+        return (items, prefixes, token)
     }
 }

@@ -32,14 +32,17 @@ public struct StorageError: Error, Sendable, CustomStringConvertible {
     public let message: String
     /// HTTP status when the error came from a response.
     public let httpStatus: Int?
+    /// Seconds the server asked us to wait before trying again (`Retry-After`), if it said.
+    public var retryAfter: Double?
     public let file: String
     public let line: Int
 
-    public init(_ code: Code, _ message: String, httpStatus: Int? = nil,
+    public init(_ code: Code, _ message: String, httpStatus: Int? = nil, retryAfter: Double? = nil,
                 file: String = #fileID, line: Int = #line) {
         self.code = code
         self.message = message
         self.httpStatus = httpStatus
+        self.retryAfter = retryAfter
         self.file = file
         self.line = line
     }

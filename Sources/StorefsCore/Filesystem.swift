@@ -49,6 +49,8 @@ public final class Filesystem: Sendable {
     public static let rootInode: UInt64 = 1
     /// Bound on cached directory listings; the oldest go first past it.
     static let maxCachedListings = 4096
+    /// Entries one directory listing may have (docs/security.md): past it the listing is EIO.
+    static let maxListingEntries = 5_000_000
 
     public let config: Config
     public let reference: StorageReference
@@ -326,11 +328,21 @@ public final class Filesystem: Sendable {
         let prefix = listingPrefix(of: dirPath)
         var pages: [ListPage] = []
         var token: String? = nil
+        var seenTokens = Set<String>()
+        var entries = 0
         do throws(StorageError) {
             repeat {
                 let page = try store.list(prefix: prefix, pageToken: token)
                 pages.append(page)
+                entries += page.items.count + page.prefixes.count
                 token = page.nextPageToken
+                // A hostile or broken server must not hold `ls` forever, nor fill memory.
+                if let t = token, !seenTokens.insert(t).inserted {
+                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): the server repeated a page token (the listing loops)")
+                }
+                if entries > Self.maxListingEntries {
+                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): more than \(Self.maxListingEntries) entries in one directory")
+                }
             } while token != nil
         } catch {
             if Self.isOutage(error.code), let old = staleListing(dirPath) {

@@ -40,6 +40,11 @@ public struct MountOptions: Sendable, Equatable {
     public var cacheWrites: CacheWrites = .all
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
     public var listAhead = 128
+    /// docs/security.md, "Time bounds": connection set-up, first byte / stall, and one whole
+    /// storage operation with its retries.
+    public var connectTimeout: Double = 10
+    public var responseTimeout: Double = 10
+    public var requestTimeout: Double = 60
     public var statTTL: Double = 60
     public var listTTL: Double = 60
     public var negativeTTL: Double = 5
@@ -100,11 +105,16 @@ public struct MountOptions: Sendable, Equatable {
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)
           -o list_ahead=N    sub-directories listed ahead when a directory is opened (default 128, 0 = off)
+          -o connect_timeout=S  seconds to connect to the server (default 10)
+          -o response_timeout=S seconds to wait for an answer to start, or through a stall (under 1 KiB/s) (default 10)
+          -o request_timeout=S  seconds one storage request may take, retries included (default 60): an
+                             uncached read or lookup the server cannot answer fails with EIO by then
           -o stat_ttl=S      seconds object attributes are trusted (default 60)
           -o list_ttl=S      seconds directory listings are trusted (default 60)
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
-          -o file_mode=OCTAL mode of files (default 0444); dir_mode=OCTAL for directories (default 0555)
+          -o file_mode=OCTAL mode of files (default 0444); dir_mode=OCTAL for directories (default 0555);
+                             permission bits only (no setuid, setgid or sticky bit)
           -o allow_other     let other users see the mount
           -o log_level=L     error, warn, info (default), debug, trace
         mount(8) options such as rw, ro, dev, suid, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
@@ -192,6 +202,9 @@ public struct MountOptions: Sendable, Equatable {
                 o.cacheWrites = try choice(key, value, "all or keep_up") { CacheWrites(rawValue: $0.lowercased()) }
             case "list_ahead": o.listAhead = try integer(key, value, 0...4096, "a whole number from 0 to 4096")
             case "parallel": o.parallel = try integer(key, value, 1...64, "a whole number from 1 to 64")
+            case "connect_timeout": o.connectTimeout = try positiveSeconds(key, value)
+            case "response_timeout": o.responseTimeout = try positiveSeconds(key, value)
+            case "request_timeout": o.requestTimeout = try positiveSeconds(key, value)
             case "stat_ttl": o.statTTL = try seconds(key, value)
             case "list_ttl": o.listTTL = try seconds(key, value)
             case "negative_ttl": o.negativeTTL = try seconds(key, value)
@@ -280,8 +293,12 @@ public struct MountOptions: Sendable, Equatable {
 
     private static func url(_ key: String, _ value: String?) throws(ParseError) -> String {
         let v = try require(key, value)
-        guard v.lowercased().hasPrefix("http://") || v.lowercased().hasPrefix("https://"), v.count > 8 else {
+        guard let origin = URLOrigin(v) else {
             throw ParseError(message: "\(key)=\(v) is not an http(s) URL such as https://storage.googleapis.com")
+        }
+        guard !origin.hasUserInfo else {
+            // http://127.0.0.1:x@evil.example/ is evil.example: never take a URL that hides its host.
+            throw ParseError(message: "\(key)= carries a user name or password (user@host): give the plain origin, credentials go in their own options")
         }
         return v
     }
@@ -293,6 +310,15 @@ public struct MountOptions: Sendable, Equatable {
 
     private static func flag(_ key: String, _ value: String?) throws(ParseError) {
         if value != nil { throw ParseError(message: "option \(key) takes no value") }
+    }
+
+    /// A time limit: at least a tenth of a second, at most a day.
+    private static func positiveSeconds(_ key: String, _ value: String?) throws(ParseError) -> Double {
+        let v = try require(key, value)
+        guard let d = Double(v), d.isFinite, d >= 0.1, d <= 86_400 else {
+            throw ParseError(message: "\(key)=\(v) is not a number of seconds from 0.1 to 86400")
+        }
+        return d
     }
 
     private static func seconds(_ key: String, _ value: String?) throws(ParseError) -> Double {
@@ -338,6 +364,9 @@ public struct MountOptions: Sendable, Equatable {
         let v = try require(key, value)
         guard let n = UInt32(v, radix: 8), n <= 0o7777 else {
             throw ParseError(message: "\(key)=\(v) is not an octal mode such as 0444")
+        }
+        guard n <= 0o777 else {
+            throw ParseError(message: "\(key)=\(v) sets setuid, setgid or sticky bits, which storefs never shows: give permission bits only, such as 0555")
         }
         return n
     }

@@ -52,18 +52,11 @@ struct CredentialChoice {
         }
         // An emulator on this machine needs nothing; otherwise try the metadata server, which
         // exists only on Google Cloud (off it, its name does not even resolve).
-        if !isLoopback(o.resolvedEndpoint), metadataServerAnswers(http) {
+        if URLOrigin(o.resolvedEndpoint)?.isLoopback != true, metadataServerAnswers(http) {
             let c = GoogleCredentials.metadataServer(host: "metadata.google.internal", services: services)
             return CredentialChoice(credentials: c, summary: c.label)
         }
         return CredentialChoice(credentials: AnonymousCredentials(), summary: "none found (anonymous)")
-    }
-
-    static func isLoopback(_ url: String) -> Bool {
-        let lower = url.lowercased()
-        for prefix in ["http://localhost", "http://127.", "http://[::1]", "https://localhost", "https://127.", "https://[::1]"]
-            where lower.hasPrefix(prefix) { return true }
-        return false
     }
 
     private static func metadataServerAnswers(_ http: HTTPClient) -> Bool {

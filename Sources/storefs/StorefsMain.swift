@@ -55,7 +55,9 @@ enum StorefsMain {
         }
 
         let env = ProcessInfoEnvironment.current()
-        let http = HTTPClient(userAgent: "storefs/\(version)")
+        let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
+                              userAgent: "storefs/\(version)")
+        let retry = RetryPolicy(budget: o.requestTimeout)
         AuthLog.authSink = { message in Log.debug(message) }
         let store: ObjectStore
         let choice: CredentialChoice
@@ -65,10 +67,10 @@ enum StorefsMain {
             switch o.storageProtocol {
             case .gcs:
                 store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
-                                         credentials: choice.credentials)
+                                         credentials: choice.credentials, retry: retry)
             case .firebase:
                 store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
-                                            credentials: choice.credentials)
+                                            credentials: choice.credentials, retry: retry)
             }
             // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
             // is reported here, at the prompt, not as EIO later.

@@ -1,3 +1,4 @@
+import Foundation
 import Testing
 @testable import StorageClient
 
@@ -46,7 +47,7 @@ import Testing
     }
 
     @Test func customMtimeWinsOverUpdated() throws {
-        var m = try ObjectMetadata.parse(json: ["name": "x", "updated": "2026-01-01T00:00:00Z",
+        var m = try ObjectMetadata.parse(json: ["name": "x", "size": "1", "generation": "2", "updated": "2026-01-01T00:00:00Z",
                                                 "metadata": ["goog-reserved-file-mtime": "1000"]], defaultBucket: "b")
         #expect(m.modificationTime == Timestamp(seconds: 1000))
         m.custom["mtime"] = "2001-09-09T01:46:40.5Z"
@@ -55,6 +56,49 @@ import Testing
 
     @Test func nameIsRequired() {
         #expect(throws: StorageError.self) { try ObjectMetadata.parse(json: ["size": "1"], defaultBucket: "b") }
+    }
+
+    /// Size and generation are the object's identity (cache key, pinned reads): a resource
+    /// without them, or with values no object can have, is refused instead of defaulting to 0.
+    @Test(arguments: [
+        #"{"name": "x", "generation": "5"}"#,                                  // no size
+        #"{"name": "x", "size": "5"}"#,                                         // no generation
+        #"{"name": "x", "size": "9223372036854775807", "generation": "5"}"#,    // Int64.max
+        #"{"name": "x", "size": "9223372036854775207", "generation": "5"}"#,    // Int64.max - 600
+        #"{"name": "x", "size": "-1", "generation": "5"}"#,
+        #"{"name": "x", "size": "5", "generation": "0"}"#,
+        #"{"name": "x", "size": 1.5, "generation": "5"}"#,
+        #"{"name": "x", "size": 1e30, "generation": "5"}"#,
+        #"{"name": "x", "size": "5", "generation": "seven"}"#,
+    ])
+    func identityMustBePresentAndInRange(json: String) throws {
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(json.utf8)) as? [String: Any])
+        #expect(throws: StorageError.self) { try ObjectMetadata.parse(json: object, defaultBucket: "b") }
+    }
+
+    @Test func theLargestBelievedSizeIsFiveTiB() throws {
+        let m = try ObjectMetadata.parse(json: ["name": "x", "size": "\(5 << 40)", "generation": "1"], defaultBucket: "b")
+        #expect(m.size == ObjectMetadata.maxSize)
+    }
+}
+
+@Suite struct ListPageTests {
+    @Test(arguments: [
+        #"{"items": "not a list"}"#,
+        #"{"items": {"name": "a"}}"#,
+        #"{"items": [{"name": "a"}, "x"]}"#,
+        #"{"prefixes": ["a/", 7]}"#,
+        #"{"prefixes": "a/"}"#,
+        #"{"nextPageToken": 12}"#,
+    ])
+    func aMalformedPageIsAnErrorNotAShorterListing(json: String) throws {
+        let object = try #require(try JSONSerialization.jsonObject(with: Data(json.utf8)) as? [String: Any])
+        #expect(throws: StorageError.self) { try ListPage.fields(of: object, what: "list") }
+    }
+
+    @Test func absentFieldsAreAnEmptyLastPage() throws {
+        let page = try ListPage.fields(of: ["kind": "storage#objects"], what: "list")
+        #expect(page.items.isEmpty && page.prefixes.isEmpty && page.token == nil)
     }
 }
 
@@ -78,12 +122,38 @@ import Testing
         #expect(StorageError.fromStatus(status, what: "x").code == code)
     }
 
+    func isLoopback(_ url: String) -> Bool { URLOrigin(url)?.isLoopback == true }
+
     @Test func loopbackDetection() {
-        #expect(GCSJSONStore.isLoopback("http://127.0.0.1:4443"))
-        #expect(GCSJSONStore.isLoopback("http://localhost/x"))
-        #expect(GCSJSONStore.isLoopback("http://[::1]:80"))
-        #expect(!GCSJSONStore.isLoopback("http://10.0.0.1"))
-        #expect(!GCSJSONStore.isLoopback("http://localhost.evil.com"))
+        #expect(isLoopback("http://127.0.0.1:4443"))
+        #expect(isLoopback("http://localhost/x"))
+        #expect(isLoopback("http://[::1]:80"))
+        #expect(!isLoopback("http://10.0.0.1"))
+        #expect(!isLoopback("http://localhost.evil.com"))
+        // The host of `http://127.0.0.1:x@evil.example/` is evil.example: userinfo ends at '@'.
+        #expect(!isLoopback("http://127.0.0.1:x@evil.example/"))
+        #expect(!isLoopback("http://127.0.0.1.evil.example/"))
+        #expect(!isLoopback("http://1270.0.0.1/"))
+    }
+
+    @Test(arguments: [
+        ("http://127.0.0.1:x@evil.example", "user name"),
+        ("http://user@127.0.0.1:80/", "user name"),
+        ("oauth2.googleapis.com/token", "not an http"),
+        ("ftp://127.0.0.1/token", "not an http"),
+        ("http://evil.example/token", "plain http"),
+        ("http://127.0.0.1.nip.io/", "plain http"),
+    ])
+    func secretsGoOnlyToHTTPSOrLoopback(url: String, reason: String) throws {
+        let why = try #require(URLOrigin.refusalToSendSecrets(to: url))
+        #expect(why.contains(reason))
+        #expect(!why.contains("x@"), "a password in the URL must not reach a message")
+    }
+
+    @Test func secretsMayGoToHTTPSAndLoopback() {
+        for url in ["https://oauth2.googleapis.com/token", "http://127.0.0.1:9099/x", "http://[::1]:80/", "http://localhost:1/"] {
+            #expect(URLOrigin.refusalToSendSecrets(to: url) == nil, "\(url)")
+        }
     }
 
     @Test func refusesSecretsOverPlainHTTPToRemoteHosts() throws {

@@ -61,6 +61,12 @@ import StorageClient
         (["-o", "parallel=0", "b", "/m"], "from 1 to 64"),
         (["-o", "list_ahead=-1", "b", "/m"], "from 0 to 4096"),
         (["-o", "cache_writes=some", "b", "/m"], "is not all or keep_up"),
+        (["-o", "file_mode=4755", "b", "/m"], "sets setuid, setgid or sticky bits"),
+        (["-o", "dir_mode=2755", "b", "/m"], "sets setuid, setgid or sticky bits"),
+        (["-o", "endpoint=http://127.0.0.1:x@evil.example/", "b", "/m"], "carries a user name or password"),
+        (["-o", "auth_endpoint=http://u:p@127.0.0.1:9/", "b", "/m"], "carries a user name or password"),
+        (["-o", "request_timeout=0", "b", "/m"], "from 0.1 to 86400"),
+        (["-o", "response_timeout=soon", "b", "/m"], "from 0.1 to 86400"),
         (["b"], "missing MOUNTPOINT"),
         ([], "missing SOURCE and MOUNTPOINT"),
         (["a", "b", "c"], "too many arguments"),
@@ -104,6 +110,13 @@ import StorageClient
     @Test func helpAndVersion() throws {
         #expect(try MountOptions.parse(arguments: ["--help"], environment: [:]) == .help)
         #expect(try MountOptions.parse(arguments: ["-V"], environment: [:]) == .version)
+    }
+
+    @Test func timeBoundsHaveDefaultsAndOptions() throws {
+        let d = try mount(["b", "/m"])
+        #expect(d.connectTimeout == 10 && d.responseTimeout == 10 && d.requestTimeout == 60)
+        let o = try mount(["-o", "connect_timeout=2,response_timeout=1.5,request_timeout=30", "b", "/m"])
+        #expect(o.connectTimeout == 2 && o.responseTimeout == 1.5 && o.requestTimeout == 30)
     }
 
     @Test func escapedCommaStaysInValue() throws {

@@ -21,11 +21,9 @@ public struct TokenServices: Sendable {
 
     var oauthTokenURL: String { url(host: "oauth2.googleapis.com", path: "/token") }
 
-    /// Refuses to send a secret over plain http to anything but loopback.
+    /// Refuses to send a secret anywhere but https or loopback (URLOrigin's rule).
     func checkTransport(_ url: String) throws(StorageError) {
-        if url.lowercased().hasPrefix("http://") && !GCSJSONStore.isLoopback(url) {
-            throw StorageError(.invalidArgument, "refusing to send credentials over plain http to \(HTTPClient.origin(of: url))")
-        }
+        if let why = URLOrigin.refusalToSendSecrets(to: url) { throw StorageError(.invalidArgument, why) }
     }
 
     /// POSTs a form or JSON body and returns the JSON answer; token-service errors become
@@ -42,8 +40,8 @@ public struct TokenServices: Sendable {
             body = Array((try? JSONSerialization.data(withJSONObject: json ?? [:])) ?? Data())
             contentType = "application/json"
         }
-        let response = try RetryPolicy(attempts: 3).run { () throws(StorageError) -> HTTPResponse in
-            let r = try http.post(url, headers: ["Content-Type: \(contentType)"], body: body)
+        let response = try RetryPolicy(attempts: 3, budget: 30).run { deadline throws(StorageError) -> HTTPResponse in
+            let r = try http.post(url, headers: ["Content-Type: \(contentType)"], body: body, deadline: deadline)
             if r.status >= 500 || r.status == 429 || r.status == 408 {
                 throw StorageError.fromStatus(r.status, what: "\(what): token service answered \(r.status)")
             }
@@ -60,8 +58,8 @@ public struct TokenServices: Sendable {
     }
 
     func get(_ url: String, headers: [String], what: String) throws(StorageError) -> [String: Any] {
-        let response = try RetryPolicy(attempts: 3).run { () throws(StorageError) -> HTTPResponse in
-            try http.get(url, headers: headers, limit: 1 << 20)
+        let response = try RetryPolicy(attempts: 3, budget: 30).run { deadline throws(StorageError) -> HTTPResponse in
+            try http.get(url, headers: headers, limit: 1 << 20, deadline: deadline)
         }
         guard (200..<300).contains(response.status),
               let answer = (try? JSONSerialization.jsonObject(with: Data(response.body))) as? [String: Any] else {

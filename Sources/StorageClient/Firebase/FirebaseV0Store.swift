@@ -29,17 +29,20 @@ public final class FirebaseV0Store: ObjectStore {
 
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
         // maxResults is left out on purpose, as listAll() does: the server picks the page size.
-        let json = try client.getJSON(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
-                                      what: "list gs://\(bucket)/\(prefix)")
+        let what = "list gs://\(bucket)/\(prefix)"
+        let page = try ListPage.fields(of: try client.getJSON(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
+                                                              what: what), what: what)
         var items: [ObjectMetadata] = []
-        for case let item as [String: Any] in (json["items"] as? [Any]) ?? [] {
-            guard let name = item["name"] as? String else { continue }
+        for item in page.items {
+            guard let name = item["name"] as? String, !name.isEmpty else {
+                throw StorageError(.invalidResponse, "\(what): an item has no name")
+            }
+            // Names only (§2.4): size and generation come from the metadata GET that completes it.
             items.append(ObjectMetadata(name: name, bucket: (item["bucket"] as? String) ?? bucket, size: 0,
                                         generation: 0, updated: Timestamp(seconds: 0)))
         }
-        let prefixes = (json["prefixes"] as? [Any])?.compactMap { $0 as? String }.map { $0.hasSuffix("/") ? $0 : $0 + "/" } ?? []
-        let token = (json["nextPageToken"] as? String).flatMap { $0.isEmpty ? nil : $0 }
-        return ListPage(items: items, prefixes: prefixes, nextPageToken: token, metadataComplete: false)
+        let prefixes = page.prefixes.map { $0.hasSuffix("/") ? $0 : $0 + "/" }
+        return ListPage(items: items, prefixes: prefixes, nextPageToken: page.token, metadataComplete: false)
     }
 
     public func hasChildren(prefix: String) throws(StorageError) -> Bool {
@@ -60,7 +63,12 @@ public final class FirebaseV0Store: ObjectStore {
         let url = "\(bucketPath)/\(ObjectName.encode(name))?alt=media"
         let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: offset, into: buffer,
                                            isCancelled: isCancelled)
-        if let served = response.headers["x-goog-generation"].flatMap({ Int64($0) }), served != generation {
+        // Without the header nothing says which generation these bytes are: never cache them
+        // under the one pinned at open.
+        guard let served = response.headers["x-goog-generation"].flatMap({ Int64($0) }) else {
+            throw StorageError(.invalidResponse, "gs://\(bucket)/\(name): the answer does not say its generation (x-goog-generation)")
+        }
+        if served != generation {
             throw StorageError(.generationChanged, "gs://\(bucket)/\(name) changed (generation \(served), opened \(generation))")
         }
     }

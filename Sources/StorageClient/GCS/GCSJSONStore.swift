@@ -19,19 +19,6 @@ public final class GCSJSONStore: ObjectStore {
         client = try AuthorizedHTTP(endpoint: endpoint, http: http, credentials: credentials, retry: retry)
     }
 
-    static func isLoopback(_ url: String) -> Bool {
-        guard let r = url.range(of: "://") else { return false }
-        var hostPort = url[r.upperBound...]
-        if let slash = hostPort.firstIndex(of: "/") { hostPort = hostPort[..<slash] }
-        let host: Substring
-        if hostPort.hasPrefix("[") {
-            host = hostPort[hostPort.index(after: hostPort.startIndex)..<(hostPort.firstIndex(of: "]") ?? hostPort.endIndex)]
-        } else {
-            host = hostPort.split(separator: ":", maxSplits: 1).first ?? hostPort
-        }
-        return host == "localhost" || host == "::1" || (host.hasPrefix("127.") && host.allSatisfy { $0.isNumber || $0 == "." })
-    }
-
     private var bucketPath: String { "\(endpoint)/storage/v1/b/\(ObjectName.encode(bucket))/o" }
 
     private func listURL(prefix: String, pageToken: String?, maxResults: Int, fields: String) -> String {
@@ -43,14 +30,14 @@ public final class GCSJSONStore: ObjectStore {
 
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
         let url = listURL(prefix: prefix, pageToken: pageToken, maxResults: Self.pageSize, fields: Self.listFields)
-        let json = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)")
+        let what = "list gs://\(bucket)/\(prefix)"
+        let page = try ListPage.fields(of: try client.getJSON(url, what: what), what: what)
         var items: [ObjectMetadata] = []
-        for case let item as [String: Any] in (json["items"] as? [Any]) ?? [] {
+        items.reserveCapacity(page.items.count)
+        for item in page.items {
             items.append(try ObjectMetadata.parse(json: item, defaultBucket: bucket))
         }
-        let prefixes = (json["prefixes"] as? [Any])?.compactMap { $0 as? String } ?? []
-        let token = (json["nextPageToken"] as? String).flatMap { $0.isEmpty ? nil : $0 }
-        return ListPage(items: items, prefixes: prefixes, nextPageToken: token)
+        return ListPage(items: items, prefixes: page.prefixes, nextPageToken: page.token)
     }
 
     public func hasChildren(prefix: String) throws(StorageError) -> Bool {

@@ -95,7 +95,13 @@ final class CurlTransfer {
             let limit: Int
             if case .collect(let l) = sink, bodyMode == .collect { limit = l } else { limit = 64 * 1024 }
             if body.count + data.count > limit {
-                if bodyMode == .error { return data.count }  // error bodies are only informative
+                if bodyMode == .error {
+                    // Error bodies are only informative: keep their start, stop the transfer
+                    // (an endless 500 body must not hold the reader).
+                    body.append(contentsOf: data.prefix(limit - body.count))
+                    stoppedEarly = true
+                    return 0
+                }
                 failure = StorageError(.invalidResponse, "response body larger than \(limit) bytes")
                 return 0
             }
@@ -119,7 +125,7 @@ final class CurlTransfer {
                 if status == 200 {
                     stoppedEarly = true  // the whole object came back; we have our slice
                 } else {
-                    failure = StorageError(.invalidResponse, "server sent more bytes than the requested range")
+                    failure = StorageError(.retryLimitExceeded, "server sent more bytes than the requested range")
                 }
                 return 0
             }
@@ -141,7 +147,8 @@ final class CurlTransfer {
                 guard let range = headers["content-range"].flatMap(ContentRange.init(header:)),
                       range.first == start, range.last - range.first < Int64(buffer.count)
                 else {
-                    failure = StorageError(.invalidResponse,
+                    // A transfer fault (a proxy or server mixing answers up): tried again.
+                    failure = StorageError(.retryLimitExceeded,
                                            "206 answer whose Content-Range '\(headers["content-range"] ?? "")' does not match the requested range starting at \(start)")
                     bodyMode = .error
                     return
@@ -196,6 +203,15 @@ let curlWriteCallback: ccurl_data_cb = { ptr, size, nmemb, userdata in
     }
     let used = transfer.body(UnsafeRawBufferPointer(start: ptr, count: count), status: status)
     return used
+}
+
+let curlProgressCallback: ccurl_xferinfo_cb = { userdata, _, _, _, _ in
+    let transfer = Unmanaged<CurlTransfer>.fromOpaque(userdata!).takeUnretainedValue()
+    if let isCancelled = transfer.isCancelled, isCancelled() {
+        transfer.failure = StorageError(.cancelled, "transfer cancelled")
+        return 1
+    }
+    return 0
 }
 
 let curlHeaderCallback: ccurl_data_cb = { ptr, size, nmemb, userdata in

@@ -19,13 +19,19 @@ public struct HTTPResponse: Sendable {
 /// a handle keeps its TCP/TLS connection, so consecutive requests skip the handshake.
 /// Automatic decompression is never enabled: gzip objects are read as their stored bytes.
 public final class HTTPClient: Sendable {
+    /// docs/security.md, "Time bounds". The whole-request deadline comes with each call.
     public struct Timeouts: Sendable {
-        public var connect: Int = 10
-        /// A transfer slower than 1 byte/s for this long is abandoned (and retried by the caller).
-        public var stall: Int = 30
-        public init(connect: Int = 10, stall: Int = 30) {
+        /// Seconds to set up a connection (TCP and TLS): `connect_timeout=`.
+        public var connect: Double = 10
+        /// Seconds a request may wait for the first byte of the answer, and a transfer may move
+        /// less than `minimumSpeed` bytes per second, before it is abandoned: `response_timeout=`.
+        public var response: Double = 10
+        /// Below this many bytes per second for `response` seconds, a transfer has stalled
+        /// (a 2 B/s trickle is a stall, not a download).
+        public var minimumSpeed = 1024
+        public init(connect: Double = 10, response: Double = 10) {
             self.connect = connect
-            self.stall = stall
+            self.response = response
         }
     }
 
@@ -42,25 +48,27 @@ public final class HTTPClient: Sendable {
         CurlGlobal.ensureInitialised()
     }
 
-    /// GET `url` and collect at most `limit` bytes of body.
-    public func get(_ url: String, headers: [String], limit: Int = 64 << 20,
+    /// GET `url` and collect at most `limit` bytes of body. `deadline` (monotonic seconds)
+    /// ends the request however far it got.
+    public func get(_ url: String, headers: [String], limit: Int = 1 << 20, deadline: Double? = nil,
                     isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
-        try perform(url, headers: headers, sink: .collect(limit: limit), isCancelled: isCancelled)
+        try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline, isCancelled: isCancelled)
     }
 
     /// GET `url` with `Range: bytes=start-(start+buffer.count-1)` and copy exactly those bytes into
     /// `buffer`. A 206 must carry a matching Content-Range; a 200 (whole object) is sliced.
     public func getRange(_ url: String, headers: [String], start: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                         isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+                         deadline: Double? = nil, isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
         precondition(buffer.count > 0, "no Range request for zero bytes")
         let last = start + Int64(buffer.count) - 1
         return try perform(url, headers: headers + ["Range: bytes=\(start)-\(last)"],
-                           sink: .window(buffer: buffer, start: start), isCancelled: isCancelled)
+                           sink: .window(buffer: buffer, start: start), deadline: deadline, isCancelled: isCancelled)
     }
 
     /// POST a body (token endpoints); answers are collected like `get`.
-    public func post(_ url: String, headers: [String], body: [UInt8], limit: Int = 1 << 20) throws(StorageError) -> HTTPResponse {
-        try perform(url, headers: headers, sink: .collect(limit: limit), isCancelled: nil, postBody: body)
+    public func post(_ url: String, headers: [String], body: [UInt8], limit: Int = 1 << 20,
+                     deadline: Double? = nil) throws(StorageError) -> HTTPResponse {
+        try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline, isCancelled: nil, postBody: body)
     }
 
     private func checkout() -> CurlEasy {
@@ -73,8 +81,17 @@ public final class HTTPClient: Sendable {
         pool.withLock { $0.idle.append(box) }
     }
 
-    private func perform(_ url: String, headers: [String], sink: CurlTransfer.Sink,
+    private func perform(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
                          isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]? = nil) throws(StorageError) -> HTTPResponse {
+        if let isCancelled, isCancelled() { throw StorageError(.cancelled, "transfer cancelled") }
+        var timeLeftMS = 0
+        if let deadline {
+            let left = deadline - monotonicNow()
+            guard left > 0.001 else {
+                throw StorageError(.retryLimitExceeded, "no time left for a request to \(Self.origin(of: url)) (request_timeout)")
+            }
+            timeLeftMS = max(1, Int(left * 1000))
+        }
         let easy = checkout()
         let h = easy.handle
         curl_easy_reset(h)  // keeps the live connection and DNS cache, forgets per-request options
@@ -85,11 +102,27 @@ public final class HTTPClient: Sendable {
         defer { curl_slist_free_all(list) }
 
         _ = ccurl_setopt_str(h, CURLOPT_URL, url)
+        // Nothing but http(s), even if a URL from a server or a key file says otherwise.
+        _ = ccurl_setopt_str(h, CURLOPT_PROTOCOLS_STR, "http,https")
+        _ = ccurl_setopt_str(h, CURLOPT_REDIR_PROTOCOLS_STR, "http,https")
+        // Requests to this machine carry tokens over plain http: no proxy variable may
+        // reroute them elsewhere. Remote requests keep the environment's proxy (https is
+        // end-to-end through it).
+        if isLoopback(url) { _ = ccurl_setopt_str(h, CURLOPT_PROXY, "") }
         _ = ccurl_setopt_long(h, CURLOPT_NOSIGNAL, 1)
         _ = ccurl_setopt_long(h, CURLOPT_TCP_KEEPALIVE, 1)
-        _ = ccurl_setopt_long(h, CURLOPT_CONNECTTIMEOUT, timeouts.connect)
-        _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_LIMIT, 1)
-        _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_TIME, timeouts.stall)
+        _ = ccurl_setopt_long(h, CURLOPT_CONNECTTIMEOUT_MS, Int(timeouts.connect * 1000))
+        // Waiting for the answer counts as "slow" too: a server that accepts and never answers
+        // is abandoned after `response` seconds, like one that trickles.
+        _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_LIMIT, timeouts.minimumSpeed)
+        _ = ccurl_setopt_long(h, CURLOPT_LOW_SPEED_TIME, max(1, Int(timeouts.response.rounded(.up))))
+        if timeLeftMS > 0 { _ = ccurl_setopt_long(h, CURLOPT_TIMEOUT_MS, timeLeftMS) }
+        if isCancelled != nil {
+            // Called about once a second even while nothing arrives: an interrupted reader is
+            // noticed while it waits for headers, not only when body bytes come.
+            _ = ccurl_setopt_long(h, CURLOPT_NOPROGRESS, 0)
+            _ = ccurl_setopt_xferinfofn(h, curlProgressCallback)
+        }
         _ = ccurl_setopt_str(h, CURLOPT_USERAGENT, userAgent)
         _ = ccurl_setopt_slist(h, CURLOPT_HTTPHEADER, list)
         // A large receive buffer pays off for multi-MiB parts, but curl allocates it per
@@ -102,6 +135,7 @@ public final class HTTPClient: Sendable {
         let opaque = Unmanaged.passUnretained(transfer).toOpaque()
         _ = ccurl_setopt_ptr(h, CURLOPT_WRITEDATA, opaque)
         _ = ccurl_setopt_ptr(h, CURLOPT_HEADERDATA, opaque)
+        if isCancelled != nil { _ = ccurl_setopt_ptr(h, CURLOPT_XFERINFODATA, opaque) }
 
         let rc: CURLcode
         if let postBody {
@@ -126,7 +160,8 @@ public final class HTTPClient: Sendable {
                 throw failure
             }
             if case .window(let buffer, _) = sink, (200..<300).contains(status), transfer.filled < buffer.count {
-                throw StorageError(.invalidResponse,
+                // A cut-short answer is a transfer fault: tried again, like a reset.
+                throw StorageError(.retryLimitExceeded,
                                    "short ranged answer: got \(transfer.filled) of \(buffer.count) bytes", httpStatus: status)
             }
             return HTTPResponse(status: status, headers: transfer.headers, body: transfer.body, bytesRead: transfer.filled)
@@ -137,16 +172,29 @@ public final class HTTPClient: Sendable {
         switch rc {
         case CURLE_COULDNT_RESOLVE_HOST, CURLE_COULDNT_CONNECT, CURLE_COULDNT_RESOLVE_PROXY:
             throw StorageError(.unreachable, "cannot reach \(Self.origin(of: url)): \(reason)")
+        case CURLE_ABORTED_BY_CALLBACK:
+            throw StorageError(.cancelled, "transfer cancelled")
+        case CURLE_OPERATION_TIMEDOUT:
+            throw StorageError(.retryLimitExceeded,
+                               "no answer from \(Self.origin(of: url)) in time (connect_timeout, response_timeout or request_timeout): \(reason)")
         default:
             throw StorageError(.retryLimitExceeded, "transfer from \(Self.origin(of: url)) failed: \(reason)")
         }
     }
 
+    /// Whether `url` names this machine (cheap: called for every request).
+    private func isLoopback(_ url: String) -> Bool {
+        URLOrigin(url)?.isLoopback == true
+    }
+
     /// `scheme://host:port` of a URL, for error messages that must not carry query strings.
+    /// A user name or password in the URL is left out too.
     static func origin(of url: String) -> String {
-        guard let r = url.range(of: "://") else { return url }
+        guard let r = url.range(of: "://") else { return String(url.prefix { $0 != "?" && $0 != "#" }) }
         let rest = url[r.upperBound...]
-        let end = rest.firstIndex(where: { $0 == "/" || $0 == "?" }) ?? rest.endIndex
-        return String(url[..<end])
+        let end = rest.firstIndex(where: { $0 == "/" || $0 == "?" || $0 == "#" }) ?? rest.endIndex
+        var authority = rest[..<end]
+        if let at = authority.lastIndex(of: "@") { authority = authority[authority.index(after: at)...] }
+        return String(url[..<r.upperBound]) + authority
     }
 }

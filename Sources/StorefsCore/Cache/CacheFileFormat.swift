@@ -1,3 +1,5 @@
+import StorageClient
+
 /// The on-disk format of one cached object generation (`<cache_dir>/v1/<hh>/<sha256>.blk`).
 ///
 /// One file per (endpoint, bucket, object name, generation), named by the SHA-256 of that key,
@@ -66,7 +68,9 @@ struct CacheFileFormat: Equatable {
         guard get(b, 68, bytes: 4) == UInt64(crc) else { return nil }
         let f = CacheFileFormat(blockSize: Int(get(b, 12, bytes: 4)), objectSize: Int64(bitPattern: get(b, 16, bytes: 8)),
                                 generation: Int64(bitPattern: get(b, 24, bytes: 8)), keyHash: Array(b[32..<64]))
-        guard f.blockSize > 0, f.objectSize >= 0, Int(get(b, 64, bytes: 4)) == f.blockCount else { return nil }
+        // Bounds before any arithmetic on them: a damaged or planted header must not trap.
+        guard f.blockSize >= 4096, f.blockSize <= 16 << 20, f.blockSize & (f.blockSize - 1) == 0,
+              (0...ObjectMetadata.maxSize).contains(f.objectSize), Int(get(b, 64, bytes: 4)) == f.blockCount else { return nil }
         return f
     }
 
