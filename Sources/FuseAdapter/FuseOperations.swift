@@ -87,8 +87,10 @@ func makeOperations() -> fuse_lowlevel_ops {
     ops.lookup = { req, parent, name in
         let ctx = context(req)
         let fs = ctx.fs
-        let child = String(cString: name!)
         do {
+            // Object names are UTF-8: a name that is not cannot be one (and must not be
+            // "repaired" into another object's name).
+            guard let child = String(validatingCString: name!) else { throw FilesystemError(.noEntry, "name is not UTF-8") }
             let a = try fs.lookup(parent: UInt64(parent), name: child)
             replyEntry(req, a, timeout: fs.config.statTTL)
         } catch let e as FilesystemError {

@@ -59,11 +59,12 @@ public final class Filesystem: Sendable {
     private let mountTime: Timestamp
 
     private let table = Mutex(InodeTable())
-    private let listings = Mutex([String: CachedListing]())
-    private let negatives = Mutex([String: Double]())
+    // Tables keyed by paths use ByteName: names are compared as bytes, never as Unicode.
+    private let listings = Mutex([ByteName: CachedListing]())
+    private let negatives = Mutex([ByteName: Double]())
     private let handles = Mutex(Handles())
-    private let shadowLogged = Mutex(Set<String>())
-    private let listingFlights = Mutex([String: ListingFlight]())
+    private let shadowLogged = Mutex(Set<ByteName>())
+    private let listingFlights = Mutex([ByteName: ListingFlight]())
     private let listingPoolSlot = Mutex<WorkerPool?>(nil)
 
     /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
@@ -102,7 +103,7 @@ public final class Filesystem: Sendable {
     /// Resolves `name` in directory `parent` and counts one kernel reference to the result.
     public func lookup(parent: UInt64, name: String) throws(FilesystemError) -> FileAttributes {
         let parentPath = try directoryPath(parent)
-        guard DirectoryListing.isRepresentable(Substring(name)), !name.contains("/") else {
+        guard DirectoryListing.isRepresentable(name), !name.containsSlash else {
             if name.utf8.count > 255 { throw FilesystemError(.nameTooLong, "name longer than 255 bytes") }
             throw FilesystemError(.noEntry, "name cannot be a path component")
         }
@@ -115,7 +116,7 @@ public final class Filesystem: Sendable {
             // what we know (its cached blocks stay readable). Missing and denied stay errors.
             guard case .storage(let code) = error.code, Self.isOutage(code),
                   let known = table.withLock({ t -> (UInt64, Node)? in
-                      guard let ino = t.byPath[path], var node = t.nodes[ino] else { return nil }
+                      guard let ino = t.byPath[ByteName(path)], var node = t.nodes[ino] else { return nil }
                       node.lookups += 1
                       t.nodes[ino] = node
                       return (ino, node)
@@ -138,8 +139,9 @@ public final class Filesystem: Sendable {
             return attributes(inode, node)
         }
         // Stale: refresh from the parent listing if it is fresh, else from the object itself.
-        let parentPath = node.path.split(separator: "/").dropLast().joined(separator: "/")
-        let name = String(node.path.split(separator: "/").last ?? "")
+        let components = node.path.slashComponents
+        let parentPath = components.dropLast().joined(separator: "/")
+        let name = components.last ?? ""
         do throws(FilesystemError) {
             let entry = try resolve(path: node.path, parentPath: parentPath, name: name, forceProbe: false)
             guard case .file(let fresh) = entry else { throw FilesystemError(.noEntry, "\(node.path) is now a directory") }
@@ -175,10 +177,10 @@ public final class Filesystem: Sendable {
 
     private func resolve(path: String, parentPath: String, name: String, forceProbe: Bool = false) throws(FilesystemError) -> DirectoryListing.Entry {
         if !forceProbe, let listing = freshListing(parentPath) {
-            guard let entry = listing.entries[name] else { throw FilesystemError(.noEntry, "no \(path)") }
+            guard let entry = listing[name: name] else { throw FilesystemError(.noEntry, "no \(path)") }
             return entry
         }
-        if let until = negatives.withLock({ $0[path] }), until > now() {
+        if let until = negatives.withLock({ $0[ByteName(path)] }), until > now() {
             throw FilesystemError(.noEntry, "no \(path) (cached)")
         }
         let objectName = objectName(of: path)
@@ -188,14 +190,14 @@ public final class Filesystem: Sendable {
             return .file(try store.metadata(of: objectName))
         } catch {
             if error.code == .notFound {
-                if config.negativeTTL > 0 { negatives.withLock { $0[path] = now() + config.negativeTTL } }
+                if config.negativeTTL > 0 { negatives.withLock { $0[ByteName(path)] = now() + config.negativeTTL } }
                 throw FilesystemError(.noEntry, "no \(path)")
             }
             // Unreachable or failing: what the last listing of the parent said still holds,
             // so cached files stay reachable offline even after the kernel forgot them.
             if Self.isOutage(error.code), let old = staleListing(parentPath) {
                 Log.info("op=lookup path=\(path) answering from an expired listing: \(error.message)")
-                guard let entry = old.entries[name] else { throw FilesystemError(.noEntry, "no \(path)") }
+                guard let entry = old[name: name] else { throw FilesystemError(.noEntry, "no \(path)") }
                 return entry
             }
             Log.warn("op=lookup path=\(path) error=\(error.message)")
@@ -220,13 +222,14 @@ public final class Filesystem: Sendable {
             .init(name: ".", kind: .directory, inode: inode, entry: nil),
             .init(name: "..", kind: .directory, inode: inode, entry: nil),
         ]
-        let known = table.withLock { t in listing.entries.keys.reduce(into: [String: UInt64]()) { acc, name in
-            if let ino = t.byPath[Self.join(path, name)] { acc[name] = ino }
+        let known = table.withLock { t in listing.entries.keys.reduce(into: [ByteName: UInt64]()) { acc, name in
+            if let ino = t.byPath[ByteName(Self.join(path, name.string))] { acc[name] = ino }
         } }
         for name in listing.sortedNames {
-            let entry = listing.entries[name]!
+            let entry = listing[name: name]!
             let kind: FileAttributes.Kind = entry == .directory ? .directory : .file
-            entries.append(.init(name: name, kind: kind, inode: known[name] ?? Self.syntheticInode(Self.join(path, name)), entry: entry))
+            entries.append(.init(name: name, kind: kind, inode: known[ByteName(name)] ?? Self.syntheticInode(Self.join(path, name)),
+                                 entry: entry))
         }
         return handles.withLock { $0.add(.directory(path: path, entries: entries)) }
     }
@@ -274,12 +277,12 @@ public final class Filesystem: Sendable {
 
     /// The last listing of a directory, however old (for outages).
     private func staleListing(_ dirPath: String) -> DirectoryListing? {
-        listings.withLock { $0[dirPath]?.listing }
+        listings.withLock { $0[ByteName(dirPath)]?.listing }
     }
 
     private func freshListing(_ dirPath: String) -> DirectoryListing? {
         listings.withLock { l in
-            guard let c = l[dirPath], c.expires > now() else { return nil }
+            guard let c = l[ByteName(dirPath)], c.expires > now() else { return nil }
             return c.listing
         }
     }
@@ -289,15 +292,15 @@ public final class Filesystem: Sendable {
         if let l = freshListing(dirPath) { return l }
         // One listing of a directory at a time: later askers wait for the one under way.
         let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
-            if let running = f[dirPath] { return (running, false) }
+            if let running = f[ByteName(dirPath)] { return (running, false) }
             let created = ListingFlight()
-            f[dirPath] = created
+            f[ByteName(dirPath)] = created
             return (created, true)
         }
         if !mine { return try flight.wait().get() }
         let result: Result<DirectoryListing, FilesystemError>
         do throws(FilesystemError) { result = .success(try fetchListing(dirPath)) } catch { result = .failure(error) }
-        listingFlights.withLock { _ = $0.removeValue(forKey: dirPath) }
+        listingFlights.withLock { _ = $0.removeValue(forKey: ByteName(dirPath)) }
         flight.finish(result)
         return try result.get()
     }
@@ -308,10 +311,10 @@ public final class Filesystem: Sendable {
     private func prefetchListings(under dirPath: String, _ listing: DirectoryListing) {
         guard config.listingPrefetch > 0, config.listTTL > 0 else { return }
         var queued = 0
-        for name in listing.sortedNames where listing.entries[name] == .directory {
+        for name in listing.sortedNames where listing[name: name] == .directory {
             if queued == config.listingPrefetch { break }
             let child = Self.join(dirPath, name)
-            if freshListing(child) != nil || listingFlights.withLock({ $0[child] != nil }) { continue }
+            if freshListing(child) != nil || listingFlights.withLock({ $0[ByteName(child)] != nil }) { continue }
             queued += 1
             listingPool.submit { [self] in _ = try? self.fullListing(child) }
         }
@@ -356,7 +359,7 @@ public final class Filesystem: Sendable {
         let listing = DirectoryListing(prefix: prefix, pages: pages)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
-            if shadowLogged.withLock({ $0.insert(full).inserted }) {
+            if shadowLogged.withLock({ $0.insert(ByteName(full)).inserted }) {
                 Log.info("object \(objectName(of: full)) is hidden by the directory of the same name")
             }
         }
@@ -368,7 +371,7 @@ public final class Filesystem: Sendable {
                     l = l.filter { $0.value.expires > t }
                     if l.count >= Self.maxCachedListings { l.removeAll() }
                 }
-                l[dirPath] = CachedListing(listing: listing, expires: expires)
+                l[ByteName(dirPath)] = CachedListing(listing: listing, expires: expires)
             }
         }
         return listing
@@ -378,8 +381,7 @@ public final class Filesystem: Sendable {
     /// bounded number at a time. Items gone meanwhile are dropped.
     private func completeMetadata(_ pages: [ListPage]) throws(FilesystemError) -> [ListPage] {
         let names = pages.flatMap { $0.items.map(\.name) }.filter {
-            let rel = $0.split(separator: "/", omittingEmptySubsequences: false).last ?? ""
-            return DirectoryListing.isRepresentable(rel)
+            DirectoryListing.isRepresentable($0.slashComponents.last ?? "")
         }
         let results = ParallelMap.run(names, width: config.metadataParallelism) { name -> Result<ObjectMetadata, StorageError> in
             do throws(StorageError) { return .success(try self.store.metadata(of: name)) } catch { return .failure(error) }

@@ -17,7 +17,8 @@ struct Node {
 /// generation of a file gets a new inode, so the kernel never mixes two versions' pages.
 struct InodeTable {
     var nodes: [UInt64: Node] = [Filesystem.rootInode: Node(path: "", kind: .directory, lookups: 1)]
-    var byPath: [String: UInt64] = ["": Filesystem.rootInode]
+    /// Paths by their bytes (ByteName): two canonically equivalent names are two inodes.
+    var byPath: [ByteName: UInt64] = [ByteName(""): Filesystem.rootInode]
     var lastOpenedGeneration: [UInt64: Int64] = [:]
     private var next: UInt64 = 2
 
@@ -27,7 +28,7 @@ struct InodeTable {
         case .directory: kind = .directory
         case .file(let meta): kind = .file(meta, time)
         }
-        if let ino = byPath[path], var node = nodes[ino], node.kind.sameIdentity(as: kind) {
+        if let ino = byPath[ByteName(path)], var node = nodes[ino], node.kind.sameIdentity(as: kind) {
             node.kind = kind
             if countLookup { node.lookups += 1 }
             nodes[ino] = node
@@ -37,7 +38,7 @@ struct InodeTable {
         next += 1
         let node = Node(path: path, kind: kind, lookups: countLookup ? 1 : 0)
         nodes[ino] = node
-        byPath[path] = ino
+        byPath[ByteName(path)] = ino
         return (ino, node)
     }
 
@@ -46,7 +47,7 @@ struct InodeTable {
     mutating func refresh(_ ino: UInt64, meta: ObjectMetadata, at time: Double) -> Node? {
         guard var node = nodes[ino] else { return nil }
         if case .file(let old, _) = node.kind, old.generation != meta.generation {
-            if byPath[node.path] == ino { byPath.removeValue(forKey: node.path) }
+            if byPath[ByteName(node.path)] == ino { byPath.removeValue(forKey: ByteName(node.path)) }
         }
         node.kind = .file(meta, time)
         nodes[ino] = node
@@ -59,7 +60,7 @@ struct InodeTable {
         if node.lookups == 0 {
             nodes.removeValue(forKey: ino)
             lastOpenedGeneration.removeValue(forKey: ino)
-            if byPath[node.path] == ino { byPath.removeValue(forKey: node.path) }
+            if byPath[ByteName(node.path)] == ino { byPath.removeValue(forKey: ByteName(node.path)) }
         } else {
             nodes[ino] = node
         }

@@ -14,8 +14,8 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
         ]
         let l = DirectoryListing(prefix: "d/", pages: pages)
         #expect(l.sortedNames == ["a", "b", "c", "x", "y", "z"])
-        #expect(l.entries["x"] == .directory)
-        #expect(l.entries["a"] == .file(object("d/a")))
+        #expect(l[name: "x"] == .directory)
+        #expect(l[name: "a"] == .file(object("d/a")))
     }
 
     @Test func placeholderIsNotAnEntryOfItsOwnDirectory() {
@@ -29,7 +29,7 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
             ListPage(items: [], prefixes: ["clash/"], nextPageToken: nil),
         ]
         let l = DirectoryListing(prefix: "", pages: pages)
-        #expect(l.entries == ["clash": .directory])
+        #expect(l.entries == [ByteName("clash"): .directory])
         #expect(l.shadowedFiles == ["clash"])
     }
 
@@ -43,8 +43,31 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
     }
 
     @Test func exactly255BytesIsRepresentable() {
-        #expect(DirectoryListing.isRepresentable(Substring(String(repeating: "é", count: 127) + "x")))
-        #expect(!DirectoryListing.isRepresentable(Substring(String(repeating: "é", count: 128))))
+        #expect(DirectoryListing.isRepresentable(String(repeating: "é", count: 127) + "x"))
+        #expect(!DirectoryListing.isRepresentable(String(repeating: "é", count: 128)))
+    }
+
+    /// NFC and NFD spellings of one word, and K / KELVIN SIGN, are equal Swift Strings but
+    /// different objects: each is its own entry, found by its own bytes only.
+    @Test func canonicallyEquivalentNamesAreDifferentEntries() {
+        let nfc = "caf\u{e9}.txt", nfd = "cafe\u{301}.txt", k = "Key.sh", kelvin = "\u{212A}ey.sh"
+        #expect(nfc == nfd)  // what Swift says; storefs must not
+        let l = DirectoryListing(prefix: "u/", pages: [ListPage(
+            items: [object("u/" + nfc, size: 1), object("u/" + nfd, size: 2), object("u/" + k, size: 3), object("u/" + kelvin, size: 4)],
+            prefixes: [], nextPageToken: nil)])
+        #expect(l.entries.count == 4)
+        #expect(l[name: nfc] == .file(object("u/" + nfc, size: 1)))
+        #expect(l[name: nfd] == .file(object("u/" + nfd, size: 2)))
+        #expect(l[name: kelvin] == .file(object("u/" + kelvin, size: 4)))
+    }
+
+    /// A prefix is matched by bytes: `e` + U+0301 does not start with `é`, and a `/` followed
+    /// by a combining mark is still a `/` byte that splits the name.
+    @Test func prefixesAndSlashesAreBytes() {
+        let l = DirectoryListing(prefix: "caf\u{e9}/", pages: [ListPage(
+            items: [object("caf\u{e9}/a"), object("cafe\u{301}/b"), object("caf\u{e9}/x/\u{301}deep")],
+            prefixes: ["cafe\u{301}/sub/"], nextPageToken: nil)])
+        #expect(l.sortedNames == ["a"])
     }
 }
 

@@ -556,7 +556,7 @@ def test_sigint_ends_a_stalled_cat_and_the_mount_carries_on(mount, proxy, corpus
 # ---------------------------------------------------------------------- 10. full disk
 def test_full_cache_disk_degrades_to_streaming(mount, corpus):
     small = mount.new_dir("tinyfs")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", small],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M,mode=0700", "tmpfs", small],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, f"cannot mount a tmpfs for the cache: {r.stderr}"
     try:

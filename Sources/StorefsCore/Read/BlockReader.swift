@@ -53,7 +53,7 @@ public final class BlockReader: Sendable {
     private let pool = Mutex<WorkerPool?>(nil)
 
     struct ObjectKey: Hashable {
-        var object: String
+        var object: ByteName
         var generation: Int64
     }
 
@@ -124,7 +124,7 @@ public final class BlockReader: Sendable {
     func openStream(_ meta: ObjectMetadata) -> Stream {
         let cached = meta.size > 0 ? cache?.acquire(endpoint: endpoint, meta: meta) : nil
         let minWindow = min(config.partSize, config.readAhead)
-        let key = ObjectKey(object: meta.name, generation: meta.generation)
+        let key = ObjectKey(object: ByteName(meta.name), generation: meta.generation)
         let table = tables.withLock { t -> FlightTable in
             let entry = t[key] ?? (FlightTable(), 0)
             t[key] = (entry.table, entry.streams + 1)
@@ -135,7 +135,7 @@ public final class BlockReader: Sendable {
     }
 
     func closeStream(_ stream: Stream) {
-        let key = ObjectKey(object: stream.meta.name, generation: stream.meta.generation)
+        let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
         let last = tables.withLock { t -> Bool in
             guard let entry = t[key] else { return false }
             t[key] = (entry.table, entry.streams - 1)
@@ -152,7 +152,7 @@ public final class BlockReader: Sendable {
 
     /// Forgets an object's flight table once no file has it open and no download is left in it.
     private func retireIfIdle(_ stream: Stream) {
-        let key = ObjectKey(object: stream.meta.name, generation: stream.meta.generation)
+        let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
         tables.withLock { t in
             if let entry = t[key], entry.streams <= 0, entry.table === stream.flights, entry.table.isEmpty {
                 t.removeValue(forKey: key)
