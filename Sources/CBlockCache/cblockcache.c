@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "cblockcache.h"
 #include <fcntl.h>
+#include <malloc.h>
 #include <openssl/sha.h>
 #include <pthread.h>
 #include <string.h>
@@ -162,6 +163,45 @@ uint32_t cblockcache_crc32c_portable(uint32_t crc, const void *buf, size_t len) 
     return ~crc32c_soft(~crc, (const uint8_t *)buf, len);
 }
 
+/* Appends `len` zero bytes to `crc` for any len (zlib's crc32_combine loop: one operator per
+ * set bit of len). zeros_operator above serves only the powers of two of the 3-stream CRC. */
+static uint32_t shift_any(uint32_t crc, size_t len) {
+    uint32_t even[32], odd[32];
+    odd[0] = 0x82F63B78u;
+    uint32_t row = 1;
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_square(even, odd);
+    gf2_square(odd, even);
+    do {
+        gf2_square(even, odd);
+        if (len & 1) crc = gf2_times(even, crc);
+        len >>= 1;
+        if (len == 0) break;
+        gf2_square(odd, even);
+        if (len & 1) crc = gf2_times(odd, crc);
+        len >>= 1;
+    } while (len);
+    return crc;
+}
+
+/* The operator matrix of shift_any(·, len): its columns are the shifted basis vectors. */
+static void shift_operator(uint32_t *op, size_t len) {
+    for (int n = 0; n < 32; n++) op[n] = shift_any(1u << n, len);
+}
+
+uint32_t cblockcache_crc32c_combine(const uint32_t *crcs, size_t count, size_t block_len, size_t last_len) {
+    if (count == 0) return 0;
+    uint32_t op[32], last_op[32];
+    shift_operator(op, block_len);
+    shift_operator(last_op, last_len);
+    uint32_t crc = crcs[0];
+    for (size_t i = 1; i < count; i++) crc = gf2_times(i == count - 1 ? last_op : op, crc) ^ crcs[i];
+    return crc;
+}
+
 void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]) {
     SHA256((const unsigned char *)buf, len, out);
 }
@@ -169,3 +209,11 @@ void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]) {
 int cblockcache_punch_hole(int fd, off_t offset, off_t len) {
     return fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, len);
 }
+
+void cblockcache_tune_malloc(void) {
+    mallopt(M_ARENA_MAX, 4);
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+    mallopt(M_TRIM_THRESHOLD, 1024 * 1024);
+}
+
+int cblockcache_malloc_trim(void) { return malloc_trim(0); }

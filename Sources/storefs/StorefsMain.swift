@@ -36,6 +36,7 @@ enum StorefsMain {
 
     static func mount(_ o: MountOptions) -> Int32 {
         Log.configure(level: o.logLevel)
+        MemoryReturn.configureAllocator()
         // fuse_daemonize() chdirs to "/": an absolute mountpoint is needed to unmount later.
         guard let resolved = realpath(o.mountpoint, nil) else {
             let err = errno
@@ -105,7 +106,7 @@ enum StorefsMain {
                                             foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,
                                             fuseOptions: o.fuseOptions)
         do {
-            return try FuseSession.run(fs, settings, ready: {})
+            return try FuseSession.run(fs, settings, ready: { MemoryReturn.startTrimming() })
         } catch {
             return fail(error.message)
         }

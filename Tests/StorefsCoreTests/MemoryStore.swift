@@ -1,5 +1,7 @@
+import Foundation
 import Glibc
 import StorageClient
+@testable import StorefsCore
 import Synchronization
 
 /// An in-memory bucket that counts requests, for testing the core without HTTP.
@@ -13,6 +15,10 @@ final class MemoryStore: ObjectStore {
     private let failure = Mutex<StorageError?>(nil)
     private let delay = Mutex<Double>(0)
     private let readBytes = Mutex<Int>(0)
+    private let corruptions = Mutex<Int>(0)
+
+    /// Flips one bit in the answers of the next `count` media reads (a corrupting server).
+    func corruptNextReads(_ count: Int) { corruptions.withLock { $0 = count } }
 
     /// Makes every media read take this long (to line readers up on one download).
     func delayReads(_ seconds: Double) { delay.withLock { $0 = seconds } }
@@ -22,9 +28,14 @@ final class MemoryStore: ObjectStore {
 
     var requests: Counts { counts.withLock { $0 } }
 
-    func put(_ name: String, _ bytes: [UInt8], generation: Int64 = 1, custom: [String: String] = [:]) {
+    /// `crc32c`: give the object its CRC32C in the metadata, as GCS does (base64, big-endian).
+    func put(_ name: String, _ bytes: [UInt8], generation: Int64 = 1, custom: [String: String] = [:], crc32c: Bool = false) {
         var m = ObjectMetadata(name: name, bucket: bucket, size: Int64(bytes.count), generation: generation,
                                updated: Timestamp(seconds: 1_700_000_000), contentType: "text/plain", custom: custom)
+        if crc32c {
+            let crc = bytes.withUnsafeBytes { Checksum.crc32c($0) }
+            m.crc32c = Data([UInt8(crc >> 24), UInt8(crc >> 16 & 0xff), UInt8(crc >> 8 & 0xff), UInt8(crc & 0xff)]).base64EncodedString()
+        }
         m.downloadTokens = custom["firebaseStorageDownloadTokens"].map { $0.split(separator: ",").map(String.init) } ?? []
         objects.withLock { $0[name] = (m, bytes) }
     }
@@ -87,6 +98,13 @@ final class MemoryStore: ObjectStore {
         precondition(buffer.count > 0 && offset + Int64(buffer.count) <= m.size, "read outside the object")
         bytes.withUnsafeBytes { src in
             buffer.copyMemory(from: UnsafeRawBufferPointer(rebasing: src[Int(offset)..<(Int(offset) + buffer.count)]))
+        }
+        if corruptions.withLock({ c -> Bool in
+            guard c > 0 else { return false }
+            c -= 1
+            return true
+        }) {
+            buffer[buffer.count / 2] ^= 0x10
         }
     }
 

@@ -85,6 +85,13 @@ public final class BlockCache: Sendable {
     /// The cache entry of an object generation, created if needed and marked in use; nil when
     /// caching is off (degraded) and nothing is cached for it.
     func acquire(endpoint: String, meta: ObjectMetadata) -> CachedObject? {
+        guard let object = acquireFile(endpoint: endpoint, meta: meta) else { return nil }
+        // A complete object found on disk is checked end to end now (docs/integrity.md).
+        _ = object.expect(crc32c: meta.crc32c.flatMap(Checksum.crc32c(base64:)))
+        return object
+    }
+
+    private func acquireFile(endpoint: String, meta: ObjectMetadata) -> CachedObject? {
         let hash = Self.keyHash(endpoint: endpoint, bucket: meta.bucket, name: meta.name, generation: meta.generation)
         let hex = Self.hex(hash)
         // Marked in use under the cache's lock: eviction removes only unused files, under it too.
@@ -241,6 +248,22 @@ final class CachedObject: Sendable {
         var ticks: [UInt64]
         var fd: Int32 = -1
         var users = 0
+        /// Blocks present (entries with a length).
+        var present = 0
+        /// The object's own CRC32C, once an open told it (the file does not keep it).
+        var expected: UInt32?
+        /// Every block was there and their combined CRC32C matched `expected`.
+        var verified = false
+    }
+
+    /// What storing blocks did to the object as a whole (docs/integrity.md).
+    enum Completion: Equatable {
+        /// Blocks are still missing, or nothing is known to check against.
+        case incomplete
+        /// The object is complete and its combined CRC32C matches the object's.
+        case verified
+        /// The object was complete and did not match: every block was dropped.
+        case mismatch
     }
 
     private let state: Mutex<State>
@@ -254,7 +277,8 @@ final class CachedObject: Sendable {
         self.format = format
         self.hex = hex
         self.path = path
-        state = Mutex(State(entries: entries, ticks: Array(repeating: tick, count: entries.count)))
+        state = Mutex(State(entries: entries, ticks: Array(repeating: tick, count: entries.count),
+                            present: entries.reduce(0) { $0 + ($1.length == 0 ? 0 : 1) }))
     }
 
     /// The header page: every file costs at least this much disk.
@@ -419,13 +443,91 @@ final class CachedObject: Sendable {
             let duplicate = state.withLock { s -> Int64 in
                 var dup: Int64 = 0
                 for k in runFirst..<runEnd {
-                    if s.entries[k].length != 0 { dup += Self.diskBytes(Int(s.entries[k].length)) }
+                    if s.entries[k].length != 0 { dup += Self.diskBytes(Int(s.entries[k].length)) } else { s.present += 1 }
                     s.entries[k] = entries[k - runFirst]
                     s.ticks[k] = t
                 }
                 return dup
             }
             if duplicate > 0 { cache.unreserve(duplicate) }
+        }
+    }
+
+    /// Stores blocks (as `store(first:_:)`), then, if that made the object complete, checks it
+    /// end to end: the blocks' CRC32Cs combined must equal the object's `crc32c`.
+    func storeAndCheck(first: Int, _ bytes: UnsafeRawBufferPointer) -> Completion {
+        store(first: first, bytes)
+        return checkIfComplete()
+    }
+
+    /// Tells the object its expected CRC32C (from the metadata of an open); a complete object
+    /// found on disk is checked at once. nil: nothing to check against (no `crc32c`).
+    func expect(crc32c: UInt32?) -> Completion {
+        guard let crc32c else { return .incomplete }
+        state.withLock { s in
+            if s.expected != crc32c { s.expected = crc32c; s.verified = false }
+        }
+        return checkIfComplete()
+    }
+
+    /// Whether storing blocks `blocks` would leave no block missing.
+    func wouldComplete(_ blocks: ClosedRange<Int>) -> Bool {
+        state.withLock { s in
+            var missingInside = 0
+            for b in blocks where s.entries[b].length == 0 { missingInside += 1 }
+            return s.present + missingInside == s.entries.count
+        }
+    }
+
+    var isVerified: Bool { state.withLock { $0.verified } }
+
+    /// Whether a known CRC32C still waits to be checked (so completing the object matters).
+    var awaitsCheck: Bool { state.withLock { $0.expected != nil && !$0.verified } }
+
+    private func checkIfComplete() -> Completion {
+        // Copied out under the lock, combined outside it (a large object has many blocks).
+        let snapshot = state.withLock { s -> (crcs: [UInt32], expected: UInt32)? in
+            guard let expected = s.expected, !s.verified, s.present == s.entries.count, !s.entries.isEmpty else { return nil }
+            return (s.entries.map(\.crc), expected)
+        }
+        guard let snapshot else { return state.withLock { $0.verified } ? .verified : .incomplete }
+        let combined = Checksum.crc32c(combining: snapshot.crcs, blockLength: format.blockSize,
+                                       lastLength: format.blockLength(format.blockCount - 1))
+        if combined == snapshot.expected {
+            state.withLock { s in if s.expected == snapshot.expected { s.verified = true } }
+            return .verified
+        }
+        Log.warn("op=verify cache_file=\(hex.prefix(12)) crc32c mismatch: blocks combine to \(String(combined, radix: 16)), "
+                 + "the object says \(String(snapshot.expected, radix: 16)); dropping every cached block of it")
+        cache.unreserve(evictAll())
+        return .mismatch
+    }
+
+    /// Drops every block (index and disk) at once; returns the disk bytes freed.
+    func evictAll() -> Int64 {
+        state.withLock { s -> Int64 in
+            var freed: Int64 = 0
+            for i in s.entries.indices where s.entries[i].length != 0 {
+                freed += Self.diskBytes(Int(s.entries[i].length))
+                s.entries[i] = .absent
+            }
+            s.present = 0
+            s.verified = false
+            let temporary = s.fd < 0
+            let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
+            guard fd >= 0 else { return freed }
+            // The index first (absent blocks are never read), then the data's disk space.
+            let chunk = [UInt8](repeating: 0, count: 1 << 16)
+            var at = CacheFileFormat.headerSize
+            let end = CacheFileFormat.headerSize + CacheFileFormat.entrySize * format.blockCount
+            while at < end {
+                let n = min(chunk.count, end - at)
+                _ = chunk.withUnsafeBytes { pwrite(fd, $0.baseAddress, n, off_t(at)) }
+                at += n
+            }
+            _ = SparseFile.punchHole(fd, offset: format.dataOffset, length: format.objectSize)
+            if temporary { Glibc.close(fd) }
+            return freed
         }
     }
 
@@ -443,6 +545,8 @@ final class CachedObject: Sendable {
             let entry = s.entries[block]
             guard entry.length != 0 else { return 0 }
             s.entries[block] = .absent
+            s.present -= 1
+            s.verified = false  // complete again later: checked again then
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
             if fd >= 0 {

@@ -1,4 +1,5 @@
 internal import CBlockCache
+import Foundation
 
 /// CRC32C for cached blocks (hardware instruction where available) and SHA-256 for cache keys.
 enum Checksum {
@@ -9,6 +10,18 @@ enum Checksum {
     /// The table-driven software CRC (what CPUs without SSE4.2 use); tests compare the two.
     static func crc32cPortable(_ bytes: UnsafeRawBufferPointer) -> UInt32 {
         cblockcache_crc32c_portable(0, bytes.baseAddress, bytes.count)
+    }
+
+    /// The CRC32C of consecutive blocks, from the blocks' own CRC32Cs (crc32c_combine): every
+    /// block `blockLength` long but the last, `lastLength`.
+    static func crc32c(combining crcs: [UInt32], blockLength: Int, lastLength: Int) -> UInt32 {
+        crcs.withUnsafeBufferPointer { cblockcache_crc32c_combine($0.baseAddress, $0.count, blockLength, lastLength) }
+    }
+
+    /// An object's `crc32c` as the APIs give it: base64 of the 4 big-endian bytes.
+    static func crc32c(base64 text: String) -> UInt32? {
+        guard let data = Data(base64Encoded: text), data.count == 4 else { return nil }
+        return data.reduce(UInt32(0)) { $0 << 8 | UInt32($1) }
     }
 
     static func sha256(_ bytes: [UInt8]) -> [UInt8] {

@@ -341,6 +341,17 @@ public final class BlockReader: Sendable {
             flight.finish(.failure(error))
             return
         }
+        // A download that completes the object is checked end to end before anyone may read
+        // its bytes (docs/integrity.md): cached first, combined, compared with crc32c.
+        if let cached = stream.cached, cached.awaitsCheck, cached.wouldComplete(flight.firstBlock...flight.lastBlock) {
+            let checked = completeAndCheck(flight, stream, cached, isCancelled: isCancelled)
+            if case .failure = checked { stream.flights.forget(flight) }
+            flight.finish(checked)
+            if case .success = checked, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
+                stream.flights.forget(flight)  // readers take the bytes from the cache
+            }
+            return
+        }
         // Waiters copy from the buffer at once; the disk copy is made afterwards (the buffer
         // lives as long as this call holds the flight). The flight stays registered until a
         // reader has copied its last block, or memory runs short.
@@ -392,9 +403,56 @@ public final class BlockReader: Sendable {
                  + "the disk under cache_dir sets the read speed; -o cache_writes=keep_up keeps reads at the network's speed")
     }
 
+    /// Stores a download that completes the object and checks the object end to end. On a
+    /// mismatch every cached block is dropped, finished downloads of the object are let go (they
+    /// may hold the bad bytes) and the whole object is fetched again; the flight then holds the
+    /// bytes of that second download. A second mismatch is a `checksumMismatch` (EIO).
+    private func completeAndCheck(_ flight: Flight, _ stream: Stream, _ cached: CachedObject,
+                                  isCancelled: (@Sendable () -> Bool)?) -> Result<Void, StorageError> {
+        guard cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) == .mismatch else {
+            return .success(())
+        }
+        stream.flights.dropFinished()
+        let meta = stream.meta
+        let part = Int64(max(config.partSize, Int64(blockSize)))
+        let scratch = UnsafeMutableRawBufferPointer.allocate(byteCount: Int(min(part, meta.size)), alignment: 4096)
+        defer { scratch.deallocate() }
+        var last = CachedObject.Completion.incomplete
+        var offset: Int64 = 0
+        while offset < meta.size {
+            let length = Int(min(part, meta.size - offset))
+            let window = UnsafeMutableRawBufferPointer(rebasing: scratch[0..<length])
+            do throws(StorageError) {
+                try store.read(meta.name, generation: meta.generation, offset: offset, into: window, isCancelled: isCancelled)
+            } catch {
+                return .failure(error)
+            }
+            // The flight's own bytes come from this download now.
+            let from = max(offset, flight.start), to = min(offset + Int64(length), flight.end)
+            if from < to {
+                UnsafeMutableRawBufferPointer(rebasing: flight.buffer[Int(from - flight.start)..<Int(to - flight.start)])
+                    .copyMemory(from: UnsafeRawBufferPointer(rebasing: window[Int(from - offset)..<Int(to - offset)]))
+            }
+            last = cached.storeAndCheck(first: Int(offset / Int64(blockSize)), UnsafeRawBufferPointer(window))
+            offset += Int64(length)
+        }
+        guard last != .mismatch else {
+            return .failure(StorageError(.checksumMismatch,
+                                         "gs://\(meta.bucket)/\(meta.name) generation \(meta.generation) does not match its crc32c, downloaded twice"))
+        }
+        Log.info("op=verify object=\(meta.name) gen=\(meta.generation) fetched again after a crc32c mismatch: \(last == .verified ? "now matches" : "could not be checked again (cache full)")")
+        return .success(())
+    }
+
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
         if let cached = stream.cached {
-            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+            if cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) == .mismatch {
+                // Completed by a write that was not checked before its bytes were served (it
+                // raced with another download): nothing of it stays, readers fetch again.
+                stream.flights.forget(flight)
+                stream.flights.dropFinished()
+                return
+            }
             // Once its bytes are in the cache the buffer has done its job: readers take them
             // from there, so memory holds downloads in progress, not the whole read-ahead window.
             if cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {

@@ -1,0 +1,31 @@
+internal import CBlockCache
+import Foundation
+
+/// Makes memory that a burst of reads took go back to the system afterwards.
+///
+/// Measured (issue 13): after 16 readers had read 4 GiB, RSS stayed at ~300 MiB over a 29 MiB
+/// baseline, in 8–24 MiB anonymous mappings: glibc's per-thread malloc arenas (up to 8 per
+/// core) keep freed chunks, and its mmap threshold rises after every large free, so later
+/// large buffers come from arenas and stay. Download and reply buffers are pooled or
+/// mmapped by storefs itself; what is left is allocated through malloc, so:
+/// - the mmap threshold is fixed at 128 KiB (large blocks are mapped and unmapped, never kept),
+/// - arenas are limited to 4,
+/// - and a background thread returns free arena pages (`malloc_trim`) every few seconds.
+public enum MemoryReturn {
+    /// Before any thread exists (the arena limit applies to arenas created later).
+    public static func configureAllocator() {
+        cblockcache_tune_malloc()
+    }
+
+    /// Starts the trimming thread (after daemonizing: fork keeps only the calling thread).
+    public static func startTrimming(every seconds: Double = 5) {
+        let thread = Thread {
+            while true {
+                Thread.sleep(forTimeInterval: seconds)
+                _ = cblockcache_malloc_trim()
+            }
+        }
+        thread.name = "storefs-trim"
+        thread.start()
+    }
+}

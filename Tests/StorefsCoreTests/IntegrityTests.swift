@@ -1,0 +1,82 @@
+import Foundation
+import Testing
+import StorageClient
+@testable import StorefsCore
+
+/// End-to-end integrity (docs/integrity.md): once every block of an object is cached, the
+/// blocks' CRC32Cs combined must equal the object's crc32c.
+@Suite struct IntegrityTests {
+    @Test(arguments: [1, 4096, 16_384, 16_385, 100_000, 1 << 20])
+    func combinedBlockCRCsEqualTheWholeObjectCRC(size: Int) {
+        let bytes = pattern(size, seed: 3)
+        let block = 16_384
+        var crcs: [UInt32] = []
+        var at = 0
+        while at < size {
+            let n = min(block, size - at)
+            crcs.append(bytes.withUnsafeBytes { Checksum.crc32c(UnsafeRawBufferPointer(rebasing: $0[at..<(at + n)])) })
+            at += n
+        }
+        let last = size % block == 0 ? block : size % block
+        #expect(Checksum.crc32c(combining: crcs, blockLength: block, lastLength: last) == bytes.withUnsafeBytes { Checksum.crc32c($0) })
+    }
+
+    @Test func crc32cFromTheAPIsBase64() {
+        // "123456789" has CRC32C e3069283; GCS writes it as base64 of the big-endian bytes.
+        #expect(Checksum.crc32c(base64: "4waSgw==") == 0xE306_9283)
+        #expect(Checksum.crc32c(base64: "not base64") == nil)
+        #expect(Checksum.crc32c(base64: "AAAAAAA=") == nil)
+    }
+
+    func setUp(size: Int) throws -> (MemoryStore, [UInt8], BlockCache, BlockReader, ObjectMetadata) {
+        let store = MemoryStore()
+        let bytes = pattern(size, seed: 9)
+        store.put("f", bytes, crc32c: true)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20))
+        return (store, bytes, cache, reader, try store.metadata(of: "f"))
+    }
+
+    func readAll(_ reader: BlockReader, _ meta: ObjectMetadata) throws -> [UInt8] {
+        let stream = reader.openStream(meta)
+        defer { reader.closeStream(stream) }
+        var out = [UInt8](repeating: 0, count: Int(meta.size))
+        try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        return out
+    }
+
+    @Test func aCorruptedDownloadThatCompletesTheObjectIsFetchedAgainBeforeItIsServed() throws {
+        let (store, bytes, _, reader, meta) = try setUp(size: 100_000)
+        store.corruptNextReads(1)
+        #expect(try readAll(reader, meta) == bytes)
+        #expect(store.requests.read == 2)  // the download, then the whole object again
+        // And what stayed in the cache is right: a second read needs no request.
+        #expect(try readAll(reader, meta) == bytes)
+        #expect(store.requests.read == 2)
+    }
+
+    @Test func anObjectCorruptedTwiceIsAnErrorAndNothingOfItStaysCached() throws {
+        let (store, _, cache, reader, meta) = try setUp(size: 100_000)
+        store.corruptNextReads(2)
+        #expect(throws: StorageError.self) { _ = try readAll(reader, meta) }
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        #expect(!(0..<o.format.blockCount).contains { o.isCached($0) })
+        cache.release(o)
+    }
+
+    @Test func cachedBlocksThatDoNotMakeTheObjectAreDroppedWhenItIsOpened() throws {
+        let (store, bytes, cache, reader, meta) = try setUp(size: 40_000)
+        // Blocks with valid CRCs of their own but the wrong bytes (planted, or a corrupt
+        // download from before): only the object's crc32c can tell.
+        var planted = bytes
+        planted[20_000] ^= 1
+        var unchecked = meta
+        unchecked.crc32c = nil
+        let o = try #require(cache.acquire(endpoint: "e", meta: unchecked))
+        planted.withUnsafeBytes { o.store(first: 0, $0) }
+        cache.release(o)
+        #expect(try readAll(reader, meta) == bytes)
+        #expect(store.requests.read >= 1)
+    }
+}
