@@ -1,4 +1,5 @@
 internal import CFuse3
+import StorageClient
 import StorefsCore
 import Synchronization
 
@@ -8,8 +9,15 @@ final class FuseContext: Sendable {
     let buffers: BufferPool
     /// Replies still owed from worker threads; the session is destroyed only after they drain.
     let inFlight = Atomic<Int>(0)
+    /// Set once the loop has ended: work still running gives up (as if interrupted) so the
+    /// session can be destroyed after it, within a bounded time.
+    let stopping = Atomic<Bool>(false)
     private let pool = Mutex<WorkerPool?>(nil)
+    private let metadataPool = Mutex<WorkerPool?>(nil)
     let readWorkers: Int
+    /// Lookups, attribute refreshes and listings that need the bucket: a stalled server ties up
+    /// these threads, never FUSE's (so cached reads go on), and at most this many at once.
+    static let metadataWorkers = 64
 
     init(fs: Filesystem, readWorkers: Int) {
         self.fs = fs
@@ -31,7 +39,17 @@ final class FuseContext: Sendable {
         }
     }
 
-    func stopWorkers() { pool.withLock { $0?.shutdown() } }
+    var metadata: WorkerPool {
+        metadataPool.withLock { p in
+            if p == nil { p = WorkerPool(threads: Self.metadataWorkers, name: "storefs-meta") }
+            return p!
+        }
+    }
+
+    func stopWorkers() {
+        pool.withLock { $0?.shutdown() }
+        metadataPool.withLock { $0?.shutdown() }
+    }
 }
 
 /// A `fuse_req_t` that may cross to a worker thread (libfuse allows replying from any thread).
@@ -39,33 +57,56 @@ struct Request: @unchecked Sendable {
     let raw: fuse_req_t
 }
 
+/// A copy of a request's `fuse_file_info` (libfuse's own lives only during the callback).
+struct FileInfo: @unchecked Sendable {
+    var info: fuse_file_info
+}
+
 /// Reply buffers for reads: allocating ≥128 KiB per request costs 2–3× throughput here
 /// (fuse-swift-notes.md pitfall 5), so buffers are recycled.
 final class BufferPool: Sendable {
     private struct Box: @unchecked Sendable { let pointer: UnsafeMutableRawPointer }
-    private let free = Mutex<[Box]>([])
+    private struct Free: ~Copyable {
+        var buffers: [Box] = []
+        var lastUse = 0.0
+    }
+    private let free = Mutex(Free())
     let bufferSize: Int
     private let keep: Int
 
     init(bufferSize: Int, keep: Int) {
         self.bufferSize = bufferSize
         self.keep = keep
+        // Idle buffers go back to the system after a load (MemoryReturn).
+        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
     }
 
     func take() -> UnsafeMutableRawBufferPointer {
-        let p = free.withLock { $0.popLast() }?.pointer
-            ?? UnsafeMutableRawPointer.allocate(byteCount: bufferSize, alignment: 4096)
+        let p = free.withLock { f in
+            f.lastUse = monotonicNow()
+            return f.buffers.popLast()
+        }?.pointer ?? UnsafeMutableRawPointer.allocate(byteCount: bufferSize, alignment: 4096)
         return UnsafeMutableRawBufferPointer(start: p, count: bufferSize)
     }
 
     func give(_ buffer: UnsafeMutableRawBufferPointer) {
         let box = Box(pointer: buffer.baseAddress!)
         let kept = free.withLock { f -> Bool in
-            guard f.count < keep else { return false }
-            f.append(box)
+            f.lastUse = monotonicNow()
+            guard f.buffers.count < keep else { return false }
+            f.buffers.append(box)
             return true
         }
         if !kept { box.pointer.deallocate() }
+    }
+
+    private func releaseIfIdle(for idle: Double) {
+        let released = free.withLock { f -> [Box] in
+            guard monotonicNow() - f.lastUse >= idle else { return [] }
+            defer { f.buffers.removeAll() }
+            return f.buffers
+        }
+        for box in released { box.pointer.deallocate() }
     }
 }
 

@@ -27,6 +27,37 @@ private func answering(_ req: fuse_req_t?, _ work: () throws -> Void) {
     }
 }
 
+/// A metadata operation: first answered on this FUSE thread from what the daemon knows
+/// (`Network.never`: no hop, no wait); when that needs the bucket, asked again on a metadata
+/// worker, where the request's INTERRUPT (Ctrl-C, a killed caller) cancels the wait and the
+/// request. `work` replies on success and throws otherwise.
+private func withMetadata(_ req: fuse_req_t?, _ work: @escaping @Sendable (Network, fuse_req_t?) throws -> Void) {
+    do {
+        try work(.never, req)
+        return
+    } catch let e as FilesystemError where e.code == .wouldBlock {
+        // below
+    } catch let e as FilesystemError {
+        reply(req, e)
+        return
+    } catch {
+        _ = fuse_reply_err(req, EIO)
+        return
+    }
+    let ctx = context(req)
+    let r = Request(raw: req!)
+    ctx.inFlight.add(1, ordering: .acquiring)
+    ctx.metadata.submit {
+        defer { ctx.inFlight.subtract(1, ordering: .releasing) }
+        let interrupted: @Sendable () -> Bool = { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) }
+        if interrupted() {
+            _ = fuse_reply_err(r.raw, Errno.value(for: .storage(.cancelled)))
+            return
+        }
+        answering(r.raw) { try work(.allowed(isCancelled: interrupted), r.raw) }
+    }
+}
+
 private func replyReadOnly(_ req: fuse_req_t?) {
     _ = fuse_reply_err(req, Errno.value(for: .readOnly))
 }
@@ -78,6 +109,8 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.`init` = { userdata, conn in
         guard let conn else { return }
+        // Lookups and listings of one directory need not wait for each other.
+        conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_PARALLEL_DIROPS)
         // With the bdi read_ahead_kb raised at mount, this makes sequential reads arrive as 1 MiB requests.
         conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
@@ -85,25 +118,23 @@ func makeOperations() -> fuse_lowlevel_ops {
     }
 
     ops.lookup = { req, parent, name in
-        let ctx = context(req)
-        let fs = ctx.fs
-        do {
-            // Object names are UTF-8: a name that is not cannot be one (and must not be
-            // "repaired" into another object's name).
-            guard let child = String(validatingCString: name!) else { throw FilesystemError(.noEntry, "name is not UTF-8") }
-            let a = try fs.lookup(parent: UInt64(parent), name: child)
-            replyEntry(req, a, timeout: fs.config.statTTL)
-        } catch let e as FilesystemError {
-            if e.code == .noEntry && fs.config.negativeTTL > 0 {
+        let fs = context(req).fs
+        // Object names are UTF-8: a name that is not cannot be one (and must not be
+        // "repaired" into another object's name).
+        guard let child = String(validatingCString: name!) else {
+            _ = fuse_reply_err(req, Errno.value(for: .noEntry))
+            return
+        }
+        withMetadata(req) { network, req in
+            do {
+                let a = try fs.lookup(parent: UInt64(parent), name: child, network: network)
+                replyEntry(req, a, timeout: fs.config.statTTL)
+            } catch let e as FilesystemError where e.code == .noEntry && fs.config.negativeTTL > 0 {
                 // ino 0 = a negative entry the kernel may cache for negative_ttl.
                 var entry = fuse_entry_param()
                 entry.entry_timeout = fs.config.negativeTTL
                 _ = fuse_reply_entry(req, &entry)
-            } else {
-                reply(req, e)
             }
-        } catch {
-            _ = fuse_reply_err(req, EIO)
         }
     }
 
@@ -123,18 +154,20 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.getattr = { req, ino, _ in
         let fs = context(req).fs
-        answering(req) {
-            var st = makeStat(try fs.attributes(of: UInt64(ino)))
+        withMetadata(req) { network, req in
+            var st = makeStat(try fs.attributes(of: UInt64(ino), network: network))
             _ = fuse_reply_attr(req, &st, fs.config.statTTL)
         }
     }
 
     ops.opendir = { req, ino, fi in
         let fs = context(req).fs
-        answering(req) {
-            fi!.pointee.fh = try fs.openDirectory(UInt64(ino))
-            fi!.pointee.cache_readdir = 0
-            _ = fuse_reply_open(req, fi)
+        let copy = FileInfo(info: fi!.pointee)
+        withMetadata(req) { network, req in
+            var info = copy.info
+            info.fh = try fs.openDirectory(UInt64(ino), network: network)
+            info.cache_readdir = 0
+            _ = fuse_reply_open(req, &info)
         }
     }
 
@@ -199,11 +232,13 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.open = { req, ino, fi in
         let fs = context(req).fs
-        answering(req) {
-            let opened = try fs.open(UInt64(ino), flags: fi!.pointee.flags)
-            fi!.pointee.fh = opened.handle
-            fi!.pointee.keep_cache = opened.keepCache ? 1 : 0
-            _ = fuse_reply_open(req, fi)
+        let copy = FileInfo(info: fi!.pointee)
+        withMetadata(req) { network, req in
+            var info = copy.info
+            let opened = try fs.open(UInt64(ino), flags: info.flags, network: network)
+            info.fh = opened.handle
+            info.keep_cache = opened.keepCache ? 1 : 0
+            _ = fuse_reply_open(req, &info)
         }
     }
 
@@ -240,7 +275,8 @@ func makeOperations() -> fuse_lowlevel_ops {
             defer { later.run() }  // the cache copy, after the reply
             do {
                 let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
-                                        alreadyNoted: true, isCancelled: { fuse_req_interrupted(r.raw) != 0 },
+                                        alreadyNoted: true,
+                                        isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) },
                                         afterReply: later)
                 _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
             } catch let e as FilesystemError {
@@ -258,17 +294,19 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.getxattr = { req, ino, name, size in
         let fs = context(req).fs
-        answering(req) {
-            replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: String(cString: name!), requester: requester(req)),
-                       size: size)
+        let attribute = String(cString: name!)
+        let uid = requester(req)
+        withMetadata(req) { network, req in
+            replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: attribute, requester: uid, network: network), size: size)
         }
     }
 
     ops.listxattr = { req, ino, size in
         let fs = context(req).fs
-        answering(req) {
+        let uid = requester(req)
+        withMetadata(req) { network, req in
             var list: [UInt8] = []
-            for name in try fs.extendedAttributeNames(UInt64(ino), requester: requester(req)) { list += Array(name.utf8) + [0] }
+            for name in try fs.extendedAttributeNames(UInt64(ino), requester: uid, network: network) { list += Array(name.utf8) + [0] }
             replyXattr(req, list, size: size)
         }
     }

@@ -79,7 +79,8 @@ public enum FuseSession {
         guard fuse_session_mount(se, settings.mountpoint) == 0 else {
             throw MountError(message: "cannot mount on \(settings.mountpoint): is /dev/fuse available and are you allowed to mount there (root, or fusermount3 setuid)?")
         }
-        defer { fuse_session_unmount(se) }
+        var unmounted = false
+        defer { if !unmounted { fuse_session_unmount(se) } }
         raiseReadahead(mountpoint: settings.mountpoint)
 
         if !settings.foreground {
@@ -97,15 +98,31 @@ public enum FuseSession {
         let rc = fuse_session_loop_mt(se, config)
         fuse_loop_cfg_destroy(config)
 
-        // Replies owed by workers must land before the session goes away.
-        let deadline = Date().addingTimeInterval(10)
+        // Shutdown (docs/architecture.md, "Shutdown"): everything still running is cancelled
+        // (as if interrupted) and its reply must land before the session goes away; then the
+        // mount goes; only then are cache writes finished, off the user's path.
+        ctx.stopping.store(true, ordering: .relaxed)
+        let deadline = Date().addingTimeInterval(Self.replyDrainSeconds)
         while ctx.inFlight.load(ordering: .acquiring) > 0 && Date() < deadline { usleep(2000) }
+        let owed = ctx.inFlight.load(ordering: .acquiring)
+        fuse_session_unmount(se)
+        unmounted = true
+        Log.info("unmounted \(settings.mountpoint) (loop status \(rc))")
+        if owed > 0 {
+            // A worker could still reply: destroying the session under it would be a
+            // use-after-free. The process ends here instead; the kernel aborts what is left.
+            Log.error("shutdown: \(owed) replies still owed after \(Int(Self.replyDrainSeconds))s; exiting without waiting for them")
+            _exit(rc < 0 ? 1 : 0)
+        }
         ctx.stopWorkers()
         fs.finishPendingWork()
-        Log.info("unmounting \(settings.mountpoint) (loop status \(rc))")
         // rc is 0 on unmount, or the number of the signal that ended the loop: both are clean.
         return rc < 0 ? 1 : 0
     }
+
+    /// How long in-flight replies may take to land once cancelled (a transfer notices within
+    /// about a second; retries and waits stop at once).
+    static let replyDrainSeconds = 5.0
 
     /// One `-o` item as libfuse reads it: `\` and `,` inside it are escaped with `\`.
     static func escapeOption(_ item: String) -> String {

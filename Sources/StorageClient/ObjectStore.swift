@@ -1,20 +1,32 @@
 /// The storage side of storefs: what the filesystem needs from a bucket, for either protocol.
 ///
 /// All calls block the calling thread (they are made from threads storefs owns) and throw
-/// `StorageError`; names are full object names, never URL-encoded.
+/// `StorageError`; names are full object names, never URL-encoded. `isCancelled`, where given,
+/// is polled while a request waits (about once a second, and between retries): true ends it
+/// with `.cancelled` (an interrupted caller).
 public protocol ObjectStore: Sendable {
     var bucket: String { get }
     /// One page of `prefix` listed with `delimiter=/`.
-    func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage
+    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage
     /// Whether anything (objects, sub-prefixes, a placeholder) lies under `prefix` (ends in `/`):
     /// one small list request, used to tell a directory from a file.
-    func hasChildren(prefix: String) throws(StorageError) -> Bool
+    func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool
     /// The object's current metadata.
-    func metadata(of name: String) throws(StorageError) -> ObjectMetadata
+    func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata
     /// Copies bytes `[offset, offset + buffer.count)` of generation `generation` into `buffer`.
     /// The caller clamps the range to the object's size; `buffer` is never empty.
     func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError)
     /// Proves the bucket exists and the credentials may list `prefix` (start-up check).
     func checkAccess(prefix: String) throws(StorageError)
+}
+
+extension ObjectStore {
+    public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
+        try list(prefix: prefix, pageToken: pageToken, isCancelled: nil)
+    }
+
+    public func hasChildren(prefix: String) throws(StorageError) -> Bool { try hasChildren(prefix: prefix, isCancelled: nil) }
+
+    public func metadata(of name: String) throws(StorageError) -> ObjectMetadata { try metadata(of: name, isCancelled: nil) }
 }

@@ -66,6 +66,7 @@ public final class Filesystem: Sendable {
     private let shadowLogged = Mutex(Set<ByteName>())
     private let listingFlights = Mutex([ByteName: ListingFlight]())
     private let listingPoolSlot = Mutex<WorkerPool?>(nil)
+    private let probePoolSlot = Mutex<WorkerPool?>(nil)
 
     /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
     public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil) {
@@ -101,7 +102,7 @@ public final class Filesystem: Sendable {
     // MARK: Lookup and attributes
 
     /// Resolves `name` in directory `parent` and counts one kernel reference to the result.
-    public func lookup(parent: UInt64, name: String) throws(FilesystemError) -> FileAttributes {
+    public func lookup(parent: UInt64, name: String, network: Network = .allowed) throws(FilesystemError) -> FileAttributes {
         let parentPath = try directoryPath(parent)
         guard DirectoryListing.isRepresentable(name), !name.containsSlash else {
             if name.utf8.count > 255 { throw FilesystemError(.nameTooLong, "name longer than 255 bytes") }
@@ -109,9 +110,10 @@ public final class Filesystem: Sendable {
         }
         let path = Self.join(parentPath, name)
         do throws(FilesystemError) {
-            let entry = try resolve(path: path, parentPath: parentPath, name: name)
+            let entry = try resolve(path: path, parentPath: parentPath, name: name, network: network)
             return register(path: path, entry: entry, countLookup: true)
         } catch {
+            if error.code == .wouldBlock { throw error }
             // The bucket is unreachable or failing: a path we already know keeps working from
             // what we know (its cached blocks stay readable). Missing and denied stay errors.
             guard case .storage(let code) = error.code, Self.isOutage(code),
@@ -131,7 +133,10 @@ public final class Filesystem: Sendable {
         table.withLock { $0.forget(inode, count: count) }
     }
 
-    public func attributes(of inode: UInt64) throws(FilesystemError) -> FileAttributes {
+    /// The attributes of an inode, refreshed from the bucket once older than `stat_ttl`. A
+    /// refresh that finds a new generation does not change this inode (it keeps describing
+    /// the generation its handles read): the path is let go, and the next lookup makes a new one.
+    public func attributes(of inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> FileAttributes {
         guard let node = table.withLock({ $0.nodes[inode] }) else {
             throw FilesystemError(.staleHandle, "unknown inode \(inode)")
         }
@@ -143,11 +148,12 @@ public final class Filesystem: Sendable {
         let parentPath = components.dropLast().joined(separator: "/")
         let name = components.last ?? ""
         do throws(FilesystemError) {
-            let entry = try resolve(path: node.path, parentPath: parentPath, name: name, forceProbe: false)
+            let entry = try resolve(path: node.path, parentPath: parentPath, name: name, network: network)
             guard case .file(let fresh) = entry else { throw FilesystemError(.noEntry, "\(node.path) is now a directory") }
             let updated = table.withLock { $0.refresh(inode, meta: fresh, at: now()) }
             return attributes(inode, updated ?? node)
         } catch {
+            if error.code == .wouldBlock { throw error }
             if case .storage(let code) = error.code, code != .notFound {
                 Log.debug("op=getattr ino=\(inode) serving cached attributes: \(error.message)")
                 return attributes(inode, Node(path: node.path, kind: .file(meta, fetched), lookups: node.lookups))
@@ -175,19 +181,18 @@ public final class Filesystem: Sendable {
         return node.path
     }
 
-    private func resolve(path: String, parentPath: String, name: String, forceProbe: Bool = false) throws(FilesystemError) -> DirectoryListing.Entry {
-        if !forceProbe, let listing = freshListing(parentPath) {
+    private func resolve(path: String, parentPath: String, name: String, network: Network) throws(FilesystemError) -> DirectoryListing.Entry {
+        if let listing = freshListing(parentPath) {
             guard let entry = listing[name: name] else { throw FilesystemError(.noEntry, "no \(path)") }
             return entry
         }
         if let until = negatives.withLock({ $0[ByteName(path)] }), until > now() {
             throw FilesystemError(.noEntry, "no \(path) (cached)")
         }
+        guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
         let objectName = objectName(of: path)
         do throws(StorageError) {
-            // Directories win over a same-named file, so ask about the prefix first.
-            if try store.hasChildren(prefix: objectName + "/") { return .directory }
-            return .file(try store.metadata(of: objectName))
+            return try probe(objectName, isCancelled: isCancelled)
         } catch {
             if error.code == .notFound {
                 if config.negativeTTL > 0 { negatives.withLock { $0[ByteName(path)] = now() + config.negativeTTL } }
@@ -205,6 +210,35 @@ public final class Filesystem: Sendable {
         }
     }
 
+    /// Is `objectName` a directory (a prefix with anything under it) or an object? Both are
+    /// asked at once (one round trip of waiting, not two); a directory wins over a same-named
+    /// object, as in listings.
+    private func probe(_ objectName: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> DirectoryListing.Entry {
+        let object = ProbeResult()
+        probePool.submit { [store] in
+            do throws(StorageError) {
+                object.finish(.success(try store.metadata(of: objectName, isCancelled: isCancelled)))
+            } catch {
+                object.finish(.failure(error))
+            }
+        }
+        let isDirectory = Result { () throws(StorageError) in try store.hasChildren(prefix: objectName + "/", isCancelled: isCancelled) }
+        // Both answers are awaited (they ran side by side: the wait is one round trip), so no
+        // request of this lookup outlives it.
+        guard let result = object.wait(isCancelled: isCancelled) else {
+            throw StorageError(.cancelled, "lookup of \(objectName) interrupted")
+        }
+        if try isDirectory.get() { return .directory }
+        return .file(try result.get())
+    }
+
+    private var probePool: WorkerPool {
+        probePoolSlot.withLock { p in
+            if p == nil { p = WorkerPool(threads: 16, name: "storefs-probe") }
+            return p!
+        }
+    }
+
     private func register(path: String, entry: DirectoryListing.Entry, countLookup: Bool) -> FileAttributes {
         let t = now()
         let (inode, node) = table.withLock { $0.upsert(path: path, entry: entry, at: t, countLookup: countLookup) }
@@ -214,9 +248,9 @@ public final class Filesystem: Sendable {
     // MARK: Directories
 
     /// Lists a directory (from cache when fresh) and pins a snapshot for readdir offsets.
-    public func openDirectory(_ inode: UInt64) throws(FilesystemError) -> UInt64 {
+    public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
         let path = try directoryPath(inode)
-        let listing = try fullListing(path)
+        let listing = try fullListing(path, network: network)
         prefetchListings(under: path, listing)
         var entries: [Handles.Listed] = [
             .init(name: ".", kind: .directory, inode: inode, entry: nil),
@@ -288,8 +322,9 @@ public final class Filesystem: Sendable {
     }
 
     /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
-    func fullListing(_ dirPath: String) throws(FilesystemError) -> DirectoryListing {
+    func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> DirectoryListing {
         if let l = freshListing(dirPath) { return l }
+        guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
         // One listing of a directory at a time: later askers wait for the one under way.
         let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
             if let running = f[ByteName(dirPath)] { return (running, false) }
@@ -297,9 +332,14 @@ public final class Filesystem: Sendable {
             f[ByteName(dirPath)] = created
             return (created, true)
         }
-        if !mine { return try flight.wait().get() }
+        if !mine {
+            guard let shared = flight.wait(isCancelled: isCancelled) else {
+                throw FilesystemError(.storage(.cancelled), "listing of \(dirPath) interrupted")
+            }
+            return try shared.get()
+        }
         let result: Result<DirectoryListing, FilesystemError>
-        do throws(FilesystemError) { result = .success(try fetchListing(dirPath)) } catch { result = .failure(error) }
+        do throws(FilesystemError) { result = .success(try fetchListing(dirPath, isCancelled: isCancelled)) } catch { result = .failure(error) }
         listingFlights.withLock { _ = $0.removeValue(forKey: ByteName(dirPath)) }
         flight.finish(result)
         return try result.get()
@@ -316,7 +356,7 @@ public final class Filesystem: Sendable {
             let child = Self.join(dirPath, name)
             if freshListing(child) != nil || listingFlights.withLock({ $0[ByteName(child)] != nil }) { continue }
             queued += 1
-            listingPool.submit { [self] in _ = try? self.fullListing(child) }
+            listingPool.submit { [self] in _ = try? self.fullListing(child, network: .allowed) }
         }
     }
 
@@ -327,7 +367,9 @@ public final class Filesystem: Sendable {
         }
     }
 
-    private func fetchListing(_ dirPath: String) throws(FilesystemError) -> DirectoryListing {
+    /// All pages of a directory. `isCancelled` is the caller's: an interrupted `ls` ends the
+    /// listing (others waiting on it then get the interruption too and ask again).
+    private func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> DirectoryListing {
         let prefix = listingPrefix(of: dirPath)
         var pages: [ListPage] = []
         var token: String? = nil
@@ -335,7 +377,7 @@ public final class Filesystem: Sendable {
         var entries = 0
         do throws(StorageError) {
             repeat {
-                let page = try store.list(prefix: prefix, pageToken: token)
+                let page = try store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
                 pages.append(page)
                 entries += page.items.count + page.prefixes.count
                 token = page.nextPageToken
@@ -411,11 +453,11 @@ public final class Filesystem: Sendable {
     }
 
     /// Opens a file for reading; any write intent is EROFS. The generation is pinned here.
-    public func open(_ inode: UInt64, flags: Int32) throws(FilesystemError) -> OpenResult {
+    public func open(_ inode: UInt64, flags: Int32, network: Network = .allowed) throws(FilesystemError) -> OpenResult {
         if flags & O_ACCMODE != O_RDONLY || flags & O_TRUNC != 0 || flags & O_CREAT != 0 {
             throw FilesystemError(.readOnly, "storefs is read-only")
         }
-        _ = try attributes(of: inode)  // refreshes stale metadata
+        _ = try attributes(of: inode, network: network)  // refreshes stale metadata
         guard let node = table.withLock({ $0.nodes[inode] }) else {
             throw FilesystemError(.staleHandle, "unknown inode \(inode)")
         }
@@ -484,13 +526,15 @@ public final class Filesystem: Sendable {
     static let downloadURLAttribute = xattrPrefix + "download_url"
 
     /// The attribute names `uid` may see.
-    public func extendedAttributeNames(_ inode: UInt64, requester uid: UInt32 = 0) throws(FilesystemError) -> [String] {
-        let names = try xattrs(inode, withURL: false).map(\.0)
+    public func extendedAttributeNames(_ inode: UInt64, requester uid: UInt32 = 0,
+                                       network: Network = .allowed) throws(FilesystemError) -> [String] {
+        let names = try xattrs(inode, withURL: false, network: network).map(\.0)
         guard try isFile(inode), config.downloadURL.allows(uid) else { return names }
         return [Self.downloadURLAttribute] + names
     }
 
-    public func extendedAttribute(_ inode: UInt64, name: String, requester uid: UInt32 = 0) throws(FilesystemError) -> [UInt8] {
+    public func extendedAttribute(_ inode: UInt64, name: String, requester uid: UInt32 = 0,
+                                  network: Network = .allowed) throws(FilesystemError) -> [UInt8] {
         // ls -l asks every file for security.selinux and POSIX ACLs: answer those without work.
         guard name.hasPrefix(Self.xattrPrefix) else { throw FilesystemError(.noAttribute, "no attribute \(name)") }
         if name == Self.downloadURLAttribute, try isFile(inode) {
@@ -501,7 +545,7 @@ public final class Filesystem: Sendable {
             default: break
             }
         }
-        guard let value = try xattrs(inode, withURL: name == Self.downloadURLAttribute).first(where: { $0.0 == name })?.1 else {
+        guard let value = try xattrs(inode, withURL: name == Self.downloadURLAttribute, network: network).first(where: { $0.0 == name })?.1 else {
             throw FilesystemError(.noAttribute, "no attribute \(name)")
         }
         return Array(value.utf8)
@@ -515,8 +559,8 @@ public final class Filesystem: Sendable {
         return false
     }
 
-    private func xattrs(_ inode: UInt64, withURL: Bool) throws(FilesystemError) -> [(String, String)] {
-        _ = try attributes(of: inode)
+    private func xattrs(_ inode: UInt64, withURL: Bool, network: Network) throws(FilesystemError) -> [(String, String)] {
+        _ = try attributes(of: inode, network: network)
         guard let node = table.withLock({ $0.nodes[inode] }) else {
             throw FilesystemError(.staleHandle, "unknown inode \(inode)")
         }
@@ -549,25 +593,49 @@ func now() -> Double {
     return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
 }
 
-/// A directory listing under way, which later askers wait for.
-final class ListingFlight: @unchecked Sendable {
-    private let condition = NSCondition()
-    private var result: Result<DirectoryListing, FilesystemError>?
+/// Whether a metadata operation may ask the bucket. FUSE threads pass `.never` first, so
+/// that anything the daemon already knows is answered without a thread hop and no FUSE thread
+/// ever waits on the network; what needs the bucket throws `.wouldBlock` and is asked again
+/// from a metadata worker with `.allowed(isCancelled:)` (the FUSE request's interrupt flag).
+public enum Network: Sendable {
+    case never
+    case allowed(isCancelled: (@Sendable () -> Bool)?)
 
-    func finish(_ r: Result<DirectoryListing, FilesystemError>) {
+    public static let allowed = Network.allowed(isCancelled: nil)
+}
+
+/// A result one thread produces and another waits for, giving up when its caller is interrupted.
+final class Awaited<Value>: @unchecked Sendable {
+    private let condition = NSCondition()
+    private var result: Value?
+
+    func finish(_ r: Value) {
         condition.lock()
         result = r
         condition.broadcast()
         condition.unlock()
     }
 
-    func wait() -> Result<DirectoryListing, FilesystemError> {
+    /// nil when `isCancelled` said so first (checked every 50 ms).
+    func wait(isCancelled: (@Sendable () -> Bool)? = nil) -> Value? {
         condition.lock()
         defer { condition.unlock() }
-        while result == nil { condition.wait() }
-        return result!
+        while result == nil {
+            if let isCancelled {
+                if isCancelled() { return nil }
+                _ = condition.wait(until: Date().addingTimeInterval(0.05))
+            } else {
+                condition.wait()
+            }
+        }
+        return result
     }
 }
+
+/// A directory listing under way, which later askers wait for.
+typealias ListingFlight = Awaited<Result<DirectoryListing, FilesystemError>>
+/// The metadata GET of a lookup, made beside its "is it a directory?" list request.
+typealias ProbeResult = Awaited<Result<ObjectMetadata, StorageError>>
 
 struct CachedListing {
     var listing: DirectoryListing

@@ -42,14 +42,18 @@ struct InodeTable {
         return (ino, node)
     }
 
-    /// Updates a file's metadata; a changed generation re-points the path to a fresh inode
-    /// for future lookups, while this one keeps serving its handles.
+    /// Updates a file's metadata. A changed generation never rewrites this inode (one inode,
+    /// one generation: its handles and the kernel's pages are that generation's): the path is
+    /// let go, so the next lookup makes a fresh inode for the new object, and this one keeps
+    /// its old metadata, marked fresh so it is not asked about again and again.
     mutating func refresh(_ ino: UInt64, meta: ObjectMetadata, at time: Double) -> Node? {
         guard var node = nodes[ino] else { return nil }
         if case .file(let old, _) = node.kind, old.generation != meta.generation {
             if byPath[ByteName(node.path)] == ino { byPath.removeValue(forKey: ByteName(node.path)) }
+            node.kind = .file(old, time)
+        } else {
+            node.kind = .file(meta, time)
         }
-        node.kind = .file(meta, time)
         nodes[ino] = node
         return node
     }

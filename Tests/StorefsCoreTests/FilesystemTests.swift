@@ -1,3 +1,4 @@
+import Foundation
 import Glibc
 import Testing
 import StorageClient
@@ -142,5 +143,66 @@ import StorageClient
             ($0 as? FilesystemError)?.code == .noAttribute
         }
         #expect(String(decoding: try fs.extendedAttribute(d.inode, name: "user.storefs.gs_uri"), as: UTF8.self) == "gs://b/dir/")
+    }
+
+    /// A refresh that finds a new generation leaves the inode describing its own generation
+    /// (before: it was rewritten in place, one inode with two generations).
+    @Test func aRefreshNeverRewritesAnInodesGeneration() throws {
+        store.put("f", Array("old".utf8), generation: 1)
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
+        let first = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        store.put("f", Array("newer".utf8), generation: 2)
+        let again = try fs.attributes(of: first.inode)
+        #expect(again.inode == first.inode && again.size == 3)
+        let second = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        #expect(second.inode != first.inode && second.size == 5)
+        #expect(try fs.attributes(of: first.inode).size == 3)
+    }
+
+    /// FUSE threads ask with `.never`: known answers come back, anything that needs the bucket
+    /// says `.wouldBlock` without a request.
+    @Test func withoutTheNetworkKnownAnswersComeAndTheRestWouldBlock() throws {
+        store.put("d/a", [1])
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 60, listTTL: 60, negativeTTL: 60))
+        #expect { _ = try fs.lookup(parent: Filesystem.rootInode, name: "d", network: .never) } throws: {
+            ($0 as? FilesystemError)?.code == .wouldBlock
+        }
+        #expect { _ = try fs.openDirectory(Filesystem.rootInode, network: .never) } throws: {
+            ($0 as? FilesystemError)?.code == .wouldBlock
+        }
+        #expect(store.requests == .init())
+        fs.release(try fs.openDirectory(Filesystem.rootInode))
+        let requests = store.requests
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "d", network: .never)
+        #expect(try fs.attributes(of: d.inode, network: .never).kind == .directory)
+        #expect(store.requests == requests)
+    }
+
+    /// An interrupted caller stops waiting at once (FUSE INTERRUPT), whatever the server does.
+    @Test func anInterruptedLookupReturnsPromptly() throws {
+        store.put("slow", [1])
+        store.delayAll(5)
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
+        let start = Date()
+        let cancelled: @Sendable () -> Bool = { Date().timeIntervalSince(start) > 0.2 }
+        #expect { _ = try fs.lookup(parent: Filesystem.rootInode, name: "slow", network: .allowed(isCancelled: cancelled)) } throws: {
+            ($0 as? FilesystemError)?.code == .storage(.cancelled)
+        }
+        #expect(Date().timeIntervalSince(start) < 2)
+    }
+
+    /// "Is it a directory?" and "what is the object?" are asked at once: a lookup costs one
+    /// server delay, not two.
+    @Test func aLookupAsksBothQuestionsAtOnce() throws {
+        store.put("f", [1])
+        store.delayAll(0.5)
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
+        let start = Date()
+        #expect(try fs.lookup(parent: Filesystem.rootInode, name: "f").size == 1)
+        #expect(Date().timeIntervalSince(start) < 0.9)
     }
 }

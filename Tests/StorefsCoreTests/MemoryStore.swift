@@ -22,6 +22,18 @@ final class MemoryStore: ObjectStore {
 
     /// Makes every media read take this long (to line readers up on one download).
     func delayReads(_ seconds: Double) { delay.withLock { $0 = seconds } }
+
+    private let metadataDelay = Mutex<Double>(0)
+    /// Makes every list and metadata request take this long (a slow server), cancellable.
+    func delayAll(_ seconds: Double) { metadataDelay.withLock { $0 = seconds } }
+
+    private func slowly(_ isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+        let end = Date().addingTimeInterval(metadataDelay.withLock { $0 })
+        while Date() < end {
+            if let isCancelled, isCancelled() { throw StorageError(.cancelled, "cancelled") }
+            usleep(5_000)
+        }
+    }
     var bytesRead: Int { readBytes.withLock { $0 } }
 
     init(pageSize: Int = 1000) { self.pageSize = pageSize }
@@ -46,9 +58,10 @@ final class MemoryStore: ObjectStore {
         if let e = failure.withLock({ $0 }) { throw e }
     }
 
-    func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
+    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
         counts.withLock { $0.list += 1 }
         try check()
+        try slowly(isCancelled)
         let names = objects.withLock { $0.keys.filter { $0.hasPrefix(prefix) }.sorted() }
         var items: [ObjectMetadata] = []
         var prefixes = Set<String>()
@@ -67,15 +80,17 @@ final class MemoryStore: ObjectStore {
         return ListPage(items: items, prefixes: prefixes.sorted(), nextPageToken: next)
     }
 
-    func hasChildren(prefix: String) throws(StorageError) -> Bool {
+    func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
         counts.withLock { $0.list += 1 }
         try check()
+        try slowly(isCancelled)
         return objects.withLock { $0.keys.contains { $0.hasPrefix(prefix) } }
     }
 
-    func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
+    func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata {
         counts.withLock { $0.metadata += 1 }
         try check()
+        try slowly(isCancelled)
         guard let m = objects.withLock({ $0[name]?.0 }) else { throw StorageError(.notFound, "no \(name)", httpStatus: 404) }
         return m
     }

@@ -27,11 +27,11 @@ public final class FirebaseV0Store: ObjectStore {
         return "\(bucketPath)?\(ObjectName.query(query))"
     }
 
-    public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
+    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
         // maxResults is left out on purpose, as listAll() does: the server picks the page size.
         let what = "list gs://\(bucket)/\(prefix)"
         let page = try ListPage.fields(of: try client.getJSON(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
-                                                              what: what), what: what)
+                                                              what: what, isCancelled: isCancelled), what: what)
         var items: [ObjectMetadata] = []
         for item in page.items {
             guard let name = item["name"] as? String, !name.isEmpty else {
@@ -45,15 +45,17 @@ public final class FirebaseV0Store: ObjectStore {
         return ListPage(items: items, prefixes: prefixes, nextPageToken: page.token, metadataComplete: false)
     }
 
-    public func hasChildren(prefix: String) throws(StorageError) -> Bool {
-        let json = try client.getJSON(listURL(prefix: prefix, pageToken: nil, maxResults: 1), what: "list gs://\(bucket)/\(prefix)")
+    public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
+        let json = try client.getJSON(listURL(prefix: prefix, pageToken: nil, maxResults: 1), what: "list gs://\(bucket)/\(prefix)",
+                                      isCancelled: isCancelled)
         // v0 hides the placeholder itself, and a page can be empty yet not the last (§2.4).
         return !((json["items"] as? [Any]) ?? []).isEmpty || !((json["prefixes"] as? [Any]) ?? []).isEmpty
             || json["nextPageToken"] as? String != nil
     }
 
-    public func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
-        let json = try client.getJSON("\(bucketPath)/\(ObjectName.encode(name))", what: "metadata of gs://\(bucket)/\(name)")
+    public func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata {
+        let json = try client.getJSON("\(bucketPath)/\(ObjectName.encode(name))", what: "metadata of gs://\(bucket)/\(name)",
+                                      isCancelled: isCancelled)
         return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 

@@ -28,10 +28,10 @@ public final class GCSJSONStore: ObjectStore {
         return "\(bucketPath)?\(ObjectName.query(query))"
     }
 
-    public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
+    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
         let url = listURL(prefix: prefix, pageToken: pageToken, maxResults: Self.pageSize, fields: Self.listFields)
         let what = "list gs://\(bucket)/\(prefix)"
-        let page = try ListPage.fields(of: try client.getJSON(url, what: what), what: what)
+        let page = try ListPage.fields(of: try client.getJSON(url, what: what, isCancelled: isCancelled), what: what)
         var items: [ObjectMetadata] = []
         items.reserveCapacity(page.items.count)
         for item in page.items {
@@ -40,14 +40,15 @@ public final class GCSJSONStore: ObjectStore {
         return ListPage(items: items, prefixes: page.prefixes, nextPageToken: page.token)
     }
 
-    public func hasChildren(prefix: String) throws(StorageError) -> Bool {
+    public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
         let url = listURL(prefix: prefix, pageToken: nil, maxResults: 1, fields: "prefixes,items(name)")
-        let json = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)")
+        let json = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)", isCancelled: isCancelled)
         return !((json["items"] as? [Any]) ?? []).isEmpty || !((json["prefixes"] as? [Any]) ?? []).isEmpty
     }
 
-    public func metadata(of name: String) throws(StorageError) -> ObjectMetadata {
-        let json = try client.getJSON("\(bucketPath)/\(ObjectName.encode(name))", what: "metadata of gs://\(bucket)/\(name)")
+    public func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata {
+        let json = try client.getJSON("\(bucketPath)/\(ObjectName.encode(name))", what: "metadata of gs://\(bucket)/\(name)",
+                                      isCancelled: isCancelled)
         return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 
