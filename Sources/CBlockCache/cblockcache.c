@@ -1,7 +1,6 @@
 #define _GNU_SOURCE
 #include "cblockcache.h"
 #include <fcntl.h>
-#include <malloc.h>
 #include <openssl/sha.h>
 #include <pthread.h>
 #include <string.h>
@@ -210,10 +209,3 @@ int cblockcache_punch_hole(int fd, off_t offset, off_t len) {
     return fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, len);
 }
 
-void cblockcache_tune_malloc(void) {
-    mallopt(M_ARENA_MAX, 4);
-    mallopt(M_MMAP_THRESHOLD, 128 * 1024);
-    mallopt(M_TRIM_THRESHOLD, 1024 * 1024);
-}
-
-int cblockcache_malloc_trim(void) { return malloc_trim(0); }

@@ -1,5 +1,6 @@
-internal import CBlockCache
+internal import CProcess
 import Foundation
+import Synchronization
 
 /// Makes memory that a burst of reads took go back to the system afterwards.
 ///
@@ -10,22 +11,35 @@ import Foundation
 /// mmapped by storefs itself; what is left is allocated through malloc, so:
 /// - the mmap threshold is fixed at 128 KiB (large blocks are mapped and unmapped, never kept),
 /// - arenas are limited to 4,
+/// - buffer pools let their buffers go once idle for a couple of seconds,
 /// - and a background thread returns free arena pages (`malloc_trim`) every few seconds.
 public enum MemoryReturn {
     /// Before any thread exists (the arena limit applies to arenas created later).
     public static func configureAllocator() {
-        cblockcache_tune_malloc()
+        cprocess_tune_malloc()
     }
 
-    /// Starts the trimming thread (after daemonizing: fork keeps only the calling thread).
-    public static func startTrimming(every seconds: Double = 5) {
+    /// Buffer pools register how to let their idle buffers go (`idle`: seconds unused).
+    public static func register(_ release: @escaping @Sendable (_ idle: Double) -> Void) {
+        pools.withLock { $0.append(release) }
+    }
+
+    private static let pools = Mutex<[@Sendable (Double) -> Void]>([])
+
+    /// Starts the trimming thread (after daemonizing: fork keeps only the calling thread):
+    /// every `seconds`, pools unused for that long let their buffers go, then malloc trims.
+    public static func startTrimming(every seconds: Double = 2) {
         let thread = Thread {
             while true {
                 Thread.sleep(forTimeInterval: seconds)
-                _ = cblockcache_malloc_trim()
+                for release in pools.withLock({ $0 }) { release(seconds) }
+                _ = cprocess_malloc_trim()
             }
         }
         thread.name = "storefs-trim"
         thread.start()
     }
+
+    /// No core dumps and no same-user ptrace or /proc/PID/mem: the process holds secrets.
+    public static func makeUndumpable() -> Bool { cprocess_make_undumpable() == 0 }
 }

@@ -1,4 +1,5 @@
 import Foundation
+import Glibc
 import StorageClient
 import StorefsCore
 
@@ -12,17 +13,27 @@ struct CredentialChoice {
     var signer: URLSigner?
     var summary: String
 
+    /// Warns (once, at mount, on stderr) about a secret file other users may read: it is
+    /// accepted, but whoever can read it can act as this mount.
+    static func warnIfReadableByOthers(_ path: String, what: String) {
+        var st = stat()
+        guard stat(path, &st) == 0, st.st_mode & 0o077 != 0 else { return }
+        Log.warn("\(what) \(path) is readable by other users (mode \(String(st.st_mode & 0o777, radix: 8))): run chmod 600 \(path)")
+    }
+
     static func resolve(_ o: MountOptions, environment env: [String: String], http: HTTPClient) throws(StorageError) -> CredentialChoice {
         let services = TokenServices(authEndpoint: o.authEndpoint, http: http)
         let firebase = o.storageProtocol == .firebase
         if o.anonymous { return CredentialChoice(credentials: AnonymousCredentials(), summary: "anonymous") }
         if let file = o.tokenFile {
+            warnIfReadableByOthers(file, what: "token_file")
             let scheme = firebase ? "Firebase" : "Bearer"
             return CredentialChoice(credentials: try TokenFileCredentials(path: file, scheme: scheme), summary: "token_file")
         }
         if let apiKey = o.apiKey {
             var signIn = FirebaseUserCredentials.SignIn.anonymous
             if let email = o.email, let passwordFile = o.passwordFile {
+                warnIfReadableByOthers(passwordFile, what: "password_file")
                 guard let data = FileManager.default.contents(atPath: passwordFile) else {
                     throw StorageError(.invalidArgument, "password_file \(passwordFile) cannot be read")
                 }
@@ -40,6 +51,7 @@ struct CredentialChoice {
             if FileManager.default.fileExists(atPath: adc) { path = adc }
         }
         if let path {
+            warnIfReadableByOthers(path, what: "credentials file")
             let file = try GoogleCredentials.load(path: path)
             let c = GoogleCredentials.make(file, services: services)
             var signer: URLSigner? = nil

@@ -28,6 +28,39 @@ enum StorefsMain {
         }
     }
 
+    /// Options whose values other users should not read in /proc/PID/cmdline.
+    static let secretOptions = ["api_key=", "email="]
+
+    /// Overwrites the values of `secretOptions` in this process's own argv memory (what
+    /// /proc/PID/cmdline shows) with `*`: they were parsed already. The caller's own command
+    /// line (a shell, mount(8)) is out of reach; files are the safer way to pass secrets.
+    static func scrubSecretsFromCommandLine() {
+        let argv = CommandLine.unsafeArgv
+        for i in 1..<Int(CommandLine.argc) {
+            guard let arg = argv[i] else { continue }
+            let length = strlen(arg)
+            var at = 0
+            while at < length {
+                var matched: Int? = nil
+                for key in secretOptions {
+                    let k = Array(key.utf8)
+                    if at + k.count <= length, (0..<k.count).allSatisfy({ UInt8(bitPattern: arg[at + $0]) == k[$0] }),
+                       at == 0 || arg[at - 1] == 0x2C || (at == 2 && arg[0] == 0x2D && arg[1] == 0x6F) {  // an item's start ("-oKEY=" too)
+                        matched = k.count
+                        break
+                    }
+                }
+                if let m = matched {
+                    var v = at + m
+                    while v < length, arg[v] != 0x2C { arg[v] = 0x2A; v += 1 }
+                    at = v
+                } else {
+                    at += 1
+                }
+            }
+        }
+    }
+
     static func fail(_ message: String, status: Int32 = 1) -> Int32 {
         let line = "storefs: \(message)\n"
         _ = line.withCString { write(2, $0, strlen($0)) }
@@ -37,6 +70,9 @@ enum StorefsMain {
     static func mount(_ o: MountOptions) -> Int32 {
         Log.configure(level: o.logLevel)
         MemoryReturn.configureAllocator()
+        // It holds tokens and keys: no core dumps, no same-user ptrace or /proc/PID/mem.
+        if !MemoryReturn.makeUndumpable() { Log.debug("prctl(PR_SET_DUMPABLE, 0) failed") }
+        scrubSecretsFromCommandLine()
         // fuse_daemonize() chdirs to "/": an absolute mountpoint is needed to unmount later.
         guard let resolved = realpath(o.mountpoint, nil) else {
             let err = errno

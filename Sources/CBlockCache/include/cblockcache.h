@@ -18,8 +18,4 @@ uint32_t cblockcache_crc32c_combine(const uint32_t *crcs, size_t count, size_t b
 void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]);
 /* Frees the disk space of [offset, offset+len) keeping the file size (FALLOC_FL_PUNCH_HOLE). 0 or -1/errno. */
 int cblockcache_punch_hole(int fd, off_t offset, off_t len);
-/* malloc.h (mallopt, malloc_trim), which Glibc's Swift module does not export: fixes the mmap
- * threshold at 128 KiB, caps arenas at 4, trims at 1 MiB; and returns free arena pages. */
-void cblockcache_tune_malloc(void);
-int cblockcache_malloc_trim(void);
 #endif

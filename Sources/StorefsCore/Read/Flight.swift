@@ -101,11 +101,28 @@ final class FlightBufferPool: @unchecked Sendable {
     let regionSize: Int
     private let keep: Int
     private var free: [UnsafeMutableRawPointer] = []
+    private var lastUse = 0.0
     private let lock = NSLock()
 
     init(regionSize: Int, keep: Int) {
         self.regionSize = (regionSize + 4095) / 4096 * 4096
         self.keep = keep
+        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
+    }
+
+    /// Unmaps the kept regions once the pool has not been used for `idle` seconds: a load's
+    /// buffers do not stay resident after it (they are mapped again, at a page fault each, on
+    /// the next load).
+    func releaseIfIdle(for idle: Double) {
+        lock.lock()
+        guard now() - lastUse >= idle, !free.isEmpty else {
+            lock.unlock()
+            return
+        }
+        let released = free
+        free.removeAll()
+        lock.unlock()
+        for p in released { munmap(p, regionSize) }
     }
 
     deinit { for p in free { munmap(p, regionSize) } }
@@ -114,6 +131,7 @@ final class FlightBufferPool: @unchecked Sendable {
         if length <= regionSize {
             lock.lock()
             let p = free.popLast()
+            lastUse = now()
             lock.unlock()
             if let p { return UnsafeMutableRawBufferPointer(start: p, count: length) }
         }
@@ -127,6 +145,7 @@ final class FlightBufferPool: @unchecked Sendable {
         let size = max(buffer.count, regionSize)
         if size == regionSize {
             lock.lock()
+            lastUse = now()
             if free.count < keep {
                 free.append(buffer.baseAddress!)
                 lock.unlock()
