@@ -225,7 +225,10 @@ public final class BlockReader: Sendable {
             }
             let block = Int(pos / Int64(blockSize))
             let lastBlock = Int((end - 1) / Int64(blockSize))
-            let (flight, mine) = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
+            let flight = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
+            // Ours to run: a demand download we made, or read-ahead still queued (claimed here
+            // rather than waited for behind other files' downloads on the prefetch threads).
+            let mine = flight.claim()
             if mine { execute(flight, stream, isCancelled: isCancelled ?? { false }, afterReply: afterReply) }
             guard let outcome = flight.wait(isCancelled: isCancelled) else {
                 throw StorageError(.cancelled, "read interrupted")
@@ -252,9 +255,9 @@ public final class BlockReader: Sendable {
     /// The flight that will bring `block`: an existing one, or a new demand download of the
     /// run of missing blocks from `block` through at most `lastBlock`.
     private func flightFor(_ stream: Stream, block: Int, through lastBlock: Int,
-                           isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> (Flight, Bool) {
+                           isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Flight {
         let meta = stream.meta
-        if let existing = stream.flights.flight(for: block) { return (existing, false) }
+        if let existing = stream.flights.flight(for: block) { return existing }
         var last = block
         while last < lastBlock, !(stream.cached?.isCached(last + 1) ?? false), stream.flights.flight(for: last + 1) == nil {
             last += 1
@@ -267,8 +270,8 @@ public final class BlockReader: Sendable {
             throw StorageError(.cancelled, "read interrupted while waiting for memory")
         }
         let flight = newFlight(first: block, last: last, start: start, length: length)
-        if let raced = stream.flights.register(flight, orExistingFor: block) { return (raced, false) }
-        return (flight, true)
+        if let raced = stream.flights.register(flight, orExistingFor: block) { return raced }
+        return flight
     }
 
     /// Schedules read-ahead downloads for the bytes in `range`, in parts, skipping blocks that
@@ -316,7 +319,7 @@ public final class BlockReader: Sendable {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
                 prefetchPool.submit { [self] in
-                    self.execute(flight, stream, isCancelled: nil)
+                    if flight.claim() { self.execute(flight, stream, isCancelled: nil) }
                     if let c = stream.cached { self.cache?.release(c) }
                     self.retireIfIdle(stream)
                 }

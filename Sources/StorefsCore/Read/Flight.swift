@@ -19,6 +19,7 @@ final class Flight: @unchecked Sendable {
     private var outcome: Result<Void, StorageError>?
     private var consumed = false
     private var stored = false
+    private var claimed = false
 
     private let pool: FlightBufferPool
 
@@ -34,6 +35,17 @@ final class Flight: @unchecked Sendable {
     deinit {
         if buffer.baseAddress != nil { pool.give(buffer) }
         budget.release(Int64(length))
+    }
+
+    /// Takes the download on: true for exactly one caller. Read-ahead queued behind other
+    /// files' downloads is claimed by the first reader that needs it, which downloads it
+    /// itself instead of waiting for a prefetch thread (no head-of-line wait).
+    func claim() -> Bool {
+        condition.lock()
+        defer { condition.unlock() }
+        if claimed { return false }
+        claimed = true
+        return true
     }
 
     /// The buffer to download into; called once, by the thread that runs the download.
