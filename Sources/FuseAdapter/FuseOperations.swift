@@ -115,6 +115,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_AUTO_INVAL_DATA)
+        Log.debug("fuse init capable=0x\(String(conn.pointee.capable, radix: 16)) want=0x\(String(conn.pointee.want, radix: 16))")
     }
 
     ops.lookup = { req, parent, name in

@@ -56,6 +56,8 @@ public final class Filesystem: Sendable {
     public let reference: StorageReference
     let store: ObjectStore
     let reader: BlockReader
+    /// Shared with the read path: an outage found by either is known to both.
+    var health: BucketHealth { reader.health }
     private let mountTime: Timestamp
 
     private let table = Mutex(InodeTable())
@@ -189,12 +191,22 @@ public final class Filesystem: Sendable {
         if let until = negatives.withLock({ $0[ByteName(path)] }), until > now() {
             throw FilesystemError(.noEntry, "no \(path) (cached)")
         }
+        // The bucket is known not to answer: what we know answers at once (BucketHealth).
+        if let outage = health.outage {
+            if let known = knownEntry(path) ?? staleListing(parentPath)?[name: name] { return known }
+            if staleListing(parentPath) != nil { throw FilesystemError(.noEntry, "no \(path) (as last listed)") }
+            throw FilesystemError(outage)
+        }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
         let objectName = objectName(of: path)
         do throws(StorageError) {
-            return try probe(objectName, isCancelled: isCancelled)
+            let entry = try probe(objectName, isCancelled: isCancelled)
+            health.noteSuccess()
+            return entry
         } catch {
+            health.note(error)
             if error.code == .notFound {
+                health.noteSuccess()
                 if config.negativeTTL > 0 { negatives.withLock { $0[ByteName(path)] = now() + config.negativeTTL } }
                 throw FilesystemError(.noEntry, "no \(path)")
             }
@@ -236,6 +248,17 @@ public final class Filesystem: Sendable {
         probePoolSlot.withLock { p in
             if p == nil { p = WorkerPool(threads: 16, name: "storefs-probe") }
             return p!
+        }
+    }
+
+    /// What the inode table says `path` is (the kernel, or an open file, still knows it).
+    private func knownEntry(_ path: String) -> DirectoryListing.Entry? {
+        table.withLock { t in
+            guard let ino = t.byPath[ByteName(path)], let node = t.nodes[ino] else { return nil }
+            switch node.kind {
+            case .directory: return .directory
+            case .file(let meta, _): return .file(meta)
+            }
         }
     }
 
@@ -324,6 +347,10 @@ public final class Filesystem: Sendable {
     /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
     func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> DirectoryListing {
         if let l = freshListing(dirPath) { return l }
+        if let outage = health.outage {
+            guard let old = staleListing(dirPath) else { throw FilesystemError(outage) }
+            return old
+        }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
         // One listing of a directory at a time: later askers wait for the one under way.
         let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
@@ -389,7 +416,9 @@ public final class Filesystem: Sendable {
                     throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): more than \(Self.maxListingEntries) entries in one directory")
                 }
             } while token != nil
+            health.noteSuccess()
         } catch {
+            health.note(error)
             if Self.isOutage(error.code), let old = staleListing(dirPath) {
                 Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
                 return old
@@ -469,7 +498,8 @@ public final class Filesystem: Sendable {
         }
         let stream = reader.openStream(meta)
         let handle = handles.withLock { $0.add(.file(OpenFile(meta: meta, stream: stream))) }
-        return OpenResult(handle: handle, keepCache: keep)
+        // Pages of an object that once served wrong bytes are not kept (docs/integrity.md).
+        return OpenResult(handle: handle, keepCache: keep && !stream.everServedWrong)
     }
 
     /// Serves a read only if every byte is in the block cache (no network): for the FUSE thread.

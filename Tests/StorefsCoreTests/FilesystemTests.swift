@@ -100,8 +100,10 @@ import StorageClient
 
     @Test func knownNamesResolveWhileTheBucketIsUnreachable() throws {
         store.put("d/cached.bin", [1, 2, 3])
+        // Every lookup asks the bucket here (no outage hold), to see each answer's effect.
+        let reader = BlockReader(store: store, cache: nil, endpoint: "", config: .init(), health: BucketHealth(holdSeconds: 0))
         let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
-                            config: .init(statTTL: 0, listTTL: 0.2, negativeTTL: 0))
+                            config: .init(statTTL: 0, listTTL: 0.2, negativeTTL: 0), reader: reader)
         let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
         fs.release(try fs.openDirectory(d.inode))
         let f = try fs.lookup(parent: d.inode, name: "cached.bin")
@@ -204,5 +206,24 @@ import StorageClient
         let start = Date()
         #expect(try fs.lookup(parent: Filesystem.rootInode, name: "f").size == 1)
         #expect(Date().timeIntervalSince(start) < 0.9)
+    }
+
+    /// A server that does not answer costs one `request_timeout`, not one per path component:
+    /// while the outage holds, known names answer at once and unknown ones fail at once.
+    @Test func duringAnOutageKnownNamesAnswerAtOnceAndTheRestFailsAtOnce() throws {
+        store.put("d/f", [1])
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
+        let f = try fs.lookup(parent: d.inode, name: "f")
+        store.failAll(with: StorageError(.retryLimitExceeded, "no answer in time"))
+        #expect(try fs.lookup(parent: d.inode, name: "f").inode == f.inode)  // asks once, falls back
+        let asked = store.requests
+        #expect(try fs.attributes(of: f.inode).size == 1)
+        #expect(try fs.lookup(parent: Filesystem.rootInode, name: "d").inode == d.inode)
+        #expect { _ = try fs.lookup(parent: d.inode, name: "unknown") } throws: {
+            ($0 as? FilesystemError)?.code == .storage(.retryLimitExceeded)
+        }
+        #expect(store.requests == asked, "nothing more was asked during the outage")
     }
 }

@@ -79,4 +79,23 @@ import StorageClient
         #expect(try readAll(reader, meta) == bytes)
         #expect(store.requests.read >= 1)
     }
+
+    /// Bytes handed to a reader before the object was complete cannot be taken back: when the
+    /// completing download finds that they were wrong, that read fails (EIO), so `cp` and
+    /// `cat` exit non-zero, and the object is then cached right for the next read.
+    @Test func wrongBytesReadEarlierFailTheReadThatCompletesTheObject() throws {
+        let (store, bytes, _, reader, meta) = try setUp(size: 100_000)
+        let stream = reader.openStream(meta)
+        defer { reader.closeStream(stream) }
+        var head = [UInt8](repeating: 0, count: 16_384)
+        store.corruptNextReads(1)
+        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        #expect(head != Array(bytes[0..<16_384]))  // served as it came: nothing could tell yet
+        reader.finishPendingWork(timeout: 10)  // its cache copy lands (the daemon writes it after the reply)
+        var tail = [UInt8](repeating: 0, count: 100_000 - 16_384)
+        #expect(throws: StorageError.self) {
+            try tail.withUnsafeMutableBytes { try reader.read(stream, at: 16_384, into: $0, observed: false, isCancelled: nil) }
+        }
+        #expect(try readAll(reader, meta) == bytes)
+    }
 }

@@ -99,12 +99,10 @@ final class MemoryStore: ObjectStore {
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         counts.withLock { $0.read += 1 }
         try check()
-        let wait = delay.withLock { $0 }
-        var waited = 0.0
-        while waited < wait {
+        let end = Date().addingTimeInterval(delay.withLock { $0 })
+        while Date() < end {
             if let isCancelled, isCancelled() { throw StorageError(.cancelled, "cancelled") }
-            usleep(10_000)
-            waited += 0.01
+            usleep(5_000)
         }
         readBytes.withLock { $0 += buffer.count }
         guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {

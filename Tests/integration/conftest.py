@@ -123,3 +123,14 @@ def bare_mount(storefs_bin, auth_server):
         problems.append("storefs tried to leave loopback: " + ", ".join(auth_server.escapes))
     if problems:
         pytest.fail("bare_mount cleanup: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def fault_proxy(emulator):
+    """A fault_proxy.FaultProxy in front of the emulator (no faults until a test adds rules or
+    a random plan); stopped at teardown, which releases every socket it holds."""
+    from fault_proxy import FaultProxy
+    p = FaultProxy(emulator.endpoint)
+    p.start()
+    yield p
+    p.stop()

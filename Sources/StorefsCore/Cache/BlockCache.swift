@@ -188,7 +188,7 @@ public final class BlockCache: Sendable {
             return nil
         }
         return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex),
-                            entries: Array(repeating: .absent, count: format.blockCount), tick: tick())
+                            index: BlockIndex(count: format.blockCount, tick: tick()))
     }
 
     /// Start-up scan: reuse valid files (oldest first in LRU order), delete anything else.
@@ -222,17 +222,23 @@ public final class BlockCache: Sendable {
               let format = CacheFileFormat.decodeHeader(header), format.blockSize == blockSize,
               BlockCache.hex(format.keyHash) == hex,
               Int64(st.st_size) == format.dataOffset + format.objectSize else { return nil }
-        var raw = [UInt8](repeating: 0, count: format.blockCount * CacheFileFormat.entrySize)
-        if !raw.isEmpty {
-            guard raw.withUnsafeMutableBytes({ pread(fd, $0.baseAddress, $0.count, off_t(CacheFileFormat.headerSize)) }) == raw.count else {
-                return nil
+        // The on-disk index is read in chunks and only present blocks are kept: a huge object's
+        // index (8 bytes a block, mostly holes) never sits in memory whole.
+        var index = BlockIndex(count: format.blockCount)
+        let perChunk = 1 << 17
+        var first = 0
+        while first < format.blockCount {
+            let n = min(perChunk, format.blockCount - first)
+            var raw = [UInt8](repeating: 0, count: n * CacheFileFormat.entrySize)
+            let at = off_t(format.entryOffset(first))
+            guard raw.withUnsafeMutableBytes({ pread(fd, $0.baseAddress, $0.count, at) }) == raw.count else { return nil }
+            for (i, e) in CacheFileFormat.decodeEntries(raw, count: n).enumerated()
+            where e.length != 0 && Int(e.length) == format.blockLength(first + i) {
+                index.set(first + i, e, tick: 0)
             }
+            first += n
         }
-        var entries = CacheFileFormat.decodeEntries(raw, count: format.blockCount)
-        for i in entries.indices where entries[i].length != 0 && Int(entries[i].length) != format.blockLength(i) {
-            entries[i] = .absent
-        }
-        return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex), entries: entries, tick: 0)
+        return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex), index: index)
     }
 }
 
@@ -244,16 +250,16 @@ final class CachedObject: Sendable {
     private unowned let cache: BlockCache
 
     private struct State: ~Copyable {
-        var entries: [CacheFileFormat.Entry]
-        var ticks: [UInt64]
+        var index: BlockIndex
         var fd: Int32 = -1
         var users = 0
-        /// Blocks present (entries with a length).
-        var present = 0
         /// The object's own CRC32C, once an open told it (the file does not keep it).
         var expected: UInt32?
         /// Every block was there and their combined CRC32C matched `expected`.
         var verified = false
+        /// How many times bytes of this object were found wrong after readers may have had
+        /// them; a stream opened before the latest one fails its reads (docs/integrity.md).
+        var servedWrongEpoch = 0
     }
 
     /// What storing blocks did to the object as a whole (docs/integrity.md).
@@ -262,8 +268,9 @@ final class CachedObject: Sendable {
         case incomplete
         /// The object is complete and its combined CRC32C matches the object's.
         case verified
-        /// The object was complete and did not match: every block was dropped.
-        case mismatch
+        /// The object was complete and did not match: every block was dropped. `previous`: the
+        /// CRC32C each block had (what readers may have been served).
+        case mismatch(previous: [UInt32])
     }
 
     private let state: Mutex<State>
@@ -272,13 +279,12 @@ final class CachedObject: Sendable {
     /// cost more CPU than the copies). A sleeping lock of our own is cheaper.
     private let writing = NSLock()
 
-    init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, entries: [CacheFileFormat.Entry], tick: UInt64) {
+    init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex) {
         self.cache = cache
         self.format = format
         self.hex = hex
         self.path = path
-        state = Mutex(State(entries: entries, ticks: Array(repeating: tick, count: entries.count),
-                            present: entries.reduce(0) { $0 + ($1.length == 0 ? 0 : 1) }))
+        state = Mutex(State(index: index))
     }
 
     /// The header page: every file costs at least this much disk.
@@ -287,12 +293,16 @@ final class CachedObject: Sendable {
     static func diskBytes(_ length: Int) -> Int64 { Int64((length + 4095) / 4096 * 4096) }
 
     var storedBytes: Int64 {
-        state.withLock { s in s.entries.reduce(0) { $0 + ($1.length == 0 ? 0 : Self.diskBytes(Int($1.length))) } }
+        state.withLock { s in
+            var total: Int64 = 0
+            s.index.forEachPresent { _, e, _ in total += Self.diskBytes(Int(e.length)) }
+            return total
+        }
     }
 
-    var isEmptyAndUnused: Bool { state.withLock { s in s.users == 0 && !s.entries.contains { $0.length != 0 } } }
+    var isEmptyAndUnused: Bool { state.withLock { s in s.users == 0 && s.index.present == 0 } }
 
-    func setTicks(_ t: UInt64) { state.withLock { s in for i in s.ticks.indices { s.ticks[i] = t } } }
+    func setTicks(_ t: UInt64) { state.withLock { $0.index.setAllTicks(t) } }
 
     func open() {
         state.withLock { s in
@@ -312,11 +322,11 @@ final class CachedObject: Sendable {
         }
     }
 
-    func isCached(_ block: Int) -> Bool { state.withLock { $0.entries[block].length != 0 } }
+    func isCached(_ block: Int) -> Bool { state.withLock { $0.index.isPresent(block) } }
 
     /// For each block of `blocks`: is it cached?
     func cachedMask(_ blocks: ClosedRange<Int>) -> [Bool] {
-        state.withLock { s in blocks.map { s.entries[$0].length != 0 } }
+        state.withLock { s in blocks.map { s.index.isPresent($0) } }
     }
 
     /// How many bytes from `offset` (at most up to `end`) lie in consecutive cached blocks.
@@ -326,7 +336,7 @@ final class CachedObject: Sendable {
         let last = Int((end - 1) / bs)
         let run = state.withLock { s -> Int in
             var b = first
-            while b <= last, s.entries[b].length != 0 { b += 1 }
+            while b <= last, s.index.isPresent(b) { b += 1 }
             return b - first
         }
         guard run > 0 else { return 0 }
@@ -355,10 +365,10 @@ final class CachedObject: Sendable {
         var crcs = [UInt32](repeating: 0, count: last - first + 1)
         let fd = state.withLock { s -> Int32 in
             for b in first...last {
-                let e = s.entries[b]
+                let e = s.index[b]
                 if e.length == 0 { return -1 }
                 crcs[b - first] = e.crc
-                s.ticks[b] = t
+                s.index.touch(b, tick: t)
             }
             return s.fd
         }
@@ -399,9 +409,9 @@ final class CachedObject: Sendable {
             // The next run of blocks not cached yet.
             let (runFirst, runEnd) = state.withLock { s -> (Int, Int) in
                 var a = b
-                while a < first + count, s.entries[a].length != 0 { a += 1 }
+                while a < first + count, s.index.isPresent(a) { a += 1 }
                 var e = a
-                while e < first + count, e - a < maxRun, s.entries[e].length == 0 { e += 1 }
+                while e < first + count, e - a < maxRun, !s.index.isPresent(e) { e += 1 }
                 return (a, e)
             }
             if runFirst >= runEnd { return }
@@ -443,9 +453,8 @@ final class CachedObject: Sendable {
             let duplicate = state.withLock { s -> Int64 in
                 var dup: Int64 = 0
                 for k in runFirst..<runEnd {
-                    if s.entries[k].length != 0 { dup += Self.diskBytes(Int(s.entries[k].length)) } else { s.present += 1 }
-                    s.entries[k] = entries[k - runFirst]
-                    s.ticks[k] = t
+                    if s.index.isPresent(k) { dup += Self.diskBytes(Int(s.index[k].length)) }
+                    s.index.set(k, entries[k - runFirst], tick: t)
                 }
                 return dup
             }
@@ -474,12 +483,19 @@ final class CachedObject: Sendable {
     func wouldComplete(_ blocks: ClosedRange<Int>) -> Bool {
         state.withLock { s in
             var missingInside = 0
-            for b in blocks where s.entries[b].length == 0 { missingInside += 1 }
-            return s.present + missingInside == s.entries.count
+            for b in blocks where !s.index.isPresent(b) { missingInside += 1 }
+            return s.index.present + missingInside == s.index.count
         }
     }
 
     var isVerified: Bool { state.withLock { $0.verified } }
+
+    /// Bytes of this object were served before a mismatch showed they may be wrong: every
+    /// file open on it until now fails its further reads (the kernel would otherwise retry a
+    /// failed page and hide the error), and opens after this drop the kernel's page cache.
+    func noteServedWrong() { state.withLock { $0.servedWrongEpoch += 1 } }
+
+    var servedWrongEpoch: Int { state.withLock { $0.servedWrongEpoch } }
 
     /// Whether a known CRC32C still waits to be checked (so completing the object matters).
     var awaitsCheck: Bool { state.withLock { $0.expected != nil && !$0.verified } }
@@ -487,8 +503,8 @@ final class CachedObject: Sendable {
     private func checkIfComplete() -> Completion {
         // Copied out under the lock, combined outside it (a large object has many blocks).
         let snapshot = state.withLock { s -> (crcs: [UInt32], expected: UInt32)? in
-            guard let expected = s.expected, !s.verified, s.present == s.entries.count, !s.entries.isEmpty else { return nil }
-            return (s.entries.map(\.crc), expected)
+            guard let expected = s.expected, !s.verified, let crcs = s.index.allCRCs() else { return nil }
+            return (crcs, expected)
         }
         guard let snapshot else { return state.withLock { $0.verified } ? .verified : .incomplete }
         let combined = Checksum.crc32c(combining: snapshot.crcs, blockLength: format.blockSize,
@@ -500,31 +516,23 @@ final class CachedObject: Sendable {
         Log.warn("op=verify cache_file=\(hex.prefix(12)) crc32c mismatch: blocks combine to \(String(combined, radix: 16)), "
                  + "the object says \(String(snapshot.expected, radix: 16)); dropping every cached block of it")
         cache.unreserve(evictAll())
-        return .mismatch
+        return .mismatch(previous: snapshot.crcs)
     }
 
     /// Drops every block (index and disk) at once; returns the disk bytes freed.
     func evictAll() -> Int64 {
         state.withLock { s -> Int64 in
             var freed: Int64 = 0
-            for i in s.entries.indices where s.entries[i].length != 0 {
-                freed += Self.diskBytes(Int(s.entries[i].length))
-                s.entries[i] = .absent
-            }
-            s.present = 0
+            s.index.forEachPresent { _, e, _ in freed += Self.diskBytes(Int(e.length)) }
+            s.index.removeAll()
             s.verified = false
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
             guard fd >= 0 else { return freed }
-            // The index first (absent blocks are never read), then the data's disk space.
-            let chunk = [UInt8](repeating: 0, count: 1 << 16)
-            var at = CacheFileFormat.headerSize
-            let end = CacheFileFormat.headerSize + CacheFileFormat.entrySize * format.blockCount
-            while at < end {
-                let n = min(chunk.count, end - at)
-                _ = chunk.withUnsafeBytes { pwrite(fd, $0.baseAddress, n, off_t(at)) }
-                at += n
-            }
+            // The index first (a punched hole reads as zeros: every block absent), then the
+            // data's disk space.
+            _ = SparseFile.punchHole(fd, offset: Int64(CacheFileFormat.headerSize),
+                                     length: Int64(CacheFileFormat.entrySize * format.blockCount))
             _ = SparseFile.punchHole(fd, offset: format.dataOffset, length: format.objectSize)
             if temporary { Glibc.close(fd) }
             return freed
@@ -533,7 +541,7 @@ final class CachedObject: Sendable {
 
     func collectBlocks(into out: inout [(tick: UInt64, object: CachedObject, block: Int)]) {
         state.withLock { s in
-            for i in s.entries.indices where s.entries[i].length != 0 { out.append((s.ticks[i], self, i)) }
+            s.index.forEachPresent { block, _, tick in out.append((tick, self, block)) }
         }
     }
 
@@ -542,10 +550,9 @@ final class CachedObject: Sendable {
     /// would otherwise take these writes into another file.
     func evict(block: Int) -> Int64 {
         state.withLock { s -> Int64 in
-            let entry = s.entries[block]
+            let entry = s.index[block]
             guard entry.length != 0 else { return 0 }
-            s.entries[block] = .absent
-            s.present -= 1
+            s.index.set(block, .absent, tick: 0)
             s.verified = false  // complete again later: checked again then
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
@@ -561,7 +568,7 @@ final class CachedObject: Sendable {
 
     /// A block that failed verification is removed, unless a writer replaced it meanwhile.
     private func dropIfUnchanged(block: Int, entry: CacheFileFormat.Entry) -> Int64 {
-        let same = state.withLock { $0.entries[block] == entry }
+        let same = state.withLock { $0.index[block] == entry }
         guard same else { return 0 }
         let freed = evict(block: block)
         cache.unreserve(freed)

@@ -47,6 +47,9 @@ public final class BlockReader: Sendable {
     let buffers: FlightBufferPool
     let requestBuffers: FlightBufferPool
     let writer: CacheWriter
+    /// Whether the bucket answers (shared with the Filesystem): during an outage a read of
+    /// bytes that are not cached fails at once instead of waiting `request_timeout` again.
+    public let health: BucketHealth
     private let slowWritesNoted = Atomic<Bool>(false)
     /// The downloads in flight (or finished and not yet read), per object generation.
     private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
@@ -57,12 +60,15 @@ public final class BlockReader: Sendable {
         var generation: Int64
     }
 
-    public convenience init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config) {
+    public convenience init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config,
+                            health: BucketHealth = BucketHealth()) {
         self.init(store: store, cache: cache, endpoint: endpoint, config: config,
-                  writer: CacheWriter(maxBacklog: config.writeBacklog))
+                  writer: CacheWriter(maxBacklog: config.writeBacklog), health: health)
     }
 
-    init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config, writer: CacheWriter) {
+    init(store: ObjectStore, cache: BlockCache?, endpoint: String, config: Config, writer: CacheWriter,
+         health: BucketHealth = BucketHealth()) {
+        self.health = health
         self.store = store
         self.cache = cache
         self.endpoint = endpoint
@@ -112,13 +118,22 @@ public final class BlockReader: Sendable {
         let cached: CachedObject?
         let flights: FlightTable
         let detector: Mutex<Prefetcher>
+        /// The object's `servedWrongEpoch` when this file was opened.
+        let openedEpoch: Int
 
         init(meta: ObjectMetadata, cached: CachedObject?, flights: FlightTable, detector: Prefetcher) {
             self.meta = meta
             self.cached = cached
             self.flights = flights
             self.detector = Mutex(detector)
+            openedEpoch = cached?.servedWrongEpoch ?? 0
         }
+
+        /// Bytes this open file may have served were found wrong since it was opened.
+        var hasServedWrong: Bool { (cached?.servedWrongEpoch ?? 0) != openedEpoch }
+
+        /// The object ever had wrong bytes served: the kernel's page cache of it is not kept.
+        var everServedWrong: Bool { openedEpoch != 0 }
     }
 
     func openStream(_ meta: ObjectMetadata) -> Stream {
@@ -170,6 +185,7 @@ public final class BlockReader: Sendable {
     /// Never touches the network: safe on a FUSE thread.
     func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
         observe(stream, offset: offset, count: dst.count)
+        if stream.hasServedWrong { return false }  // `read` reports it
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
@@ -213,6 +229,10 @@ public final class BlockReader: Sendable {
     func read(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer, observed: Bool,
               isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply? = nil) throws(StorageError) {
         if !observed { observe(stream, offset: offset, count: dst.count) }
+        if stream.hasServedWrong {
+            throw StorageError(.checksumMismatch,
+                               "gs://\(stream.meta.bucket)/\(stream.meta.name): bytes read through this open file did not match its crc32c (open it again)")
+        }
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
@@ -258,6 +278,7 @@ public final class BlockReader: Sendable {
                            isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Flight {
         let meta = stream.meta
         if let existing = stream.flights.flight(for: block) { return existing }
+        if let outage = health.outage { throw outage }
         var last = block
         while last < lastBlock, !(stream.cached?.isCached(last + 1) ?? false), stream.flights.flight(for: last + 1) == nil {
             last += 1
@@ -340,10 +361,12 @@ public final class BlockReader: Sendable {
             try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.beginDownload(),
                            isCancelled: isCancelled)
         } catch {
+            health.note(error)
             stream.flights.forget(flight)  // the next reader tries afresh
             flight.finish(.failure(error))
             return
         }
+        health.noteSuccess()
         // A download that completes the object is checked end to end before anyone may read
         // its bytes (docs/integrity.md): cached first, combined, compared with crc32c.
         if let cached = stream.cached, cached.awaitsCheck, cached.wouldComplete(flight.firstBlock...flight.lastBlock) {
@@ -409,10 +432,12 @@ public final class BlockReader: Sendable {
     /// Stores a download that completes the object and checks the object end to end. On a
     /// mismatch every cached block is dropped, finished downloads of the object are let go (they
     /// may hold the bad bytes) and the whole object is fetched again; the flight then holds the
-    /// bytes of that second download. A second mismatch is a `checksumMismatch` (EIO).
+    /// bytes of that second download. It fails (EIO) when the second download does not match
+    /// either, and when it shows that a block outside this flight, which readers may already
+    /// have been given, was wrong: never silently wrong bytes (docs/integrity.md).
     private func completeAndCheck(_ flight: Flight, _ stream: Stream, _ cached: CachedObject,
                                   isCancelled: (@Sendable () -> Bool)?) -> Result<Void, StorageError> {
-        guard cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) == .mismatch else {
+        guard case .mismatch(let previous) = cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) else {
             return .success(())
         }
         stream.flights.dropFinished()
@@ -421,6 +446,7 @@ public final class BlockReader: Sendable {
         let scratch = UnsafeMutableRawBufferPointer.allocate(byteCount: Int(min(part, meta.size)), alignment: 4096)
         defer { scratch.deallocate() }
         var last = CachedObject.Completion.incomplete
+        var servedWrong: [Int] = []
         var offset: Int64 = 0
         while offset < meta.size {
             let length = Int(min(part, meta.size - offset))
@@ -430,18 +456,35 @@ public final class BlockReader: Sendable {
             } catch {
                 return .failure(error)
             }
+            // Which blocks differ from what was cached (and so perhaps served) before?
+            let firstBlock = Int(offset / Int64(blockSize))
+            var at = 0
+            while at < length {
+                let n = min(blockSize, length - at)
+                let b = firstBlock + at / blockSize
+                let crc = Checksum.crc32c(UnsafeRawBufferPointer(rebasing: window[at..<(at + n)]))
+                if b < previous.count, crc != previous[b], !(flight.firstBlock...flight.lastBlock).contains(b) { servedWrong.append(b) }
+                at += n
+            }
             // The flight's own bytes come from this download now.
             let from = max(offset, flight.start), to = min(offset + Int64(length), flight.end)
             if from < to {
                 UnsafeMutableRawBufferPointer(rebasing: flight.buffer[Int(from - flight.start)..<Int(to - flight.start)])
                     .copyMemory(from: UnsafeRawBufferPointer(rebasing: window[Int(from - offset)..<Int(to - offset)]))
             }
-            last = cached.storeAndCheck(first: Int(offset / Int64(blockSize)), UnsafeRawBufferPointer(window))
+            last = cached.storeAndCheck(first: firstBlock, UnsafeRawBufferPointer(window))
             offset += Int64(length)
         }
-        guard last != .mismatch else {
-            return .failure(StorageError(.checksumMismatch,
-                                         "gs://\(meta.bucket)/\(meta.name) generation \(meta.generation) does not match its crc32c, downloaded twice"))
+        let object = "gs://\(meta.bucket)/\(meta.name) generation \(meta.generation)"
+        if case .mismatch = last {
+            // Nothing can tell which earlier bytes were right: every open file of it fails on.
+            cached.noteServedWrong()
+            return .failure(StorageError(.checksumMismatch, "\(object) does not match its crc32c, downloaded twice"))
+        }
+        if !servedWrong.isEmpty {
+            cached.noteServedWrong()
+            Log.error("op=verify object=\(meta.name) gen=\(meta.generation) crc32c mismatch: \(servedWrong.count) block(s) from offset \(Int64(servedWrong[0]) * Int64(blockSize)) were wrong when first downloaded and may have been read; this read fails so the reader knows, the object is now cached right")
+            return .failure(StorageError(.checksumMismatch, "\(object): bytes read earlier did not match its crc32c"))
         }
         Log.info("op=verify object=\(meta.name) gen=\(meta.generation) fetched again after a crc32c mismatch: \(last == .verified ? "now matches" : "could not be checked again (cache full)")")
         return .success(())
@@ -449,11 +492,13 @@ public final class BlockReader: Sendable {
 
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
         if let cached = stream.cached {
-            if cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) == .mismatch {
-                // Completed by a write that was not checked before its bytes were served (it
-                // raced with another download): nothing of it stays, readers fetch again.
+            if case .mismatch = cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) {
+                // Completed by a write made after its bytes were served (a cache copy written
+                // after the reply): nothing of it stays, readers fetch again, and the next read
+                // fails once so that a reader of the wrong bytes hears of it.
                 stream.flights.forget(flight)
                 stream.flights.dropFinished()
+                cached.noteServedWrong()
                 return
             }
             // Once its bytes are in the cache the buffer has done its job: readers take them
