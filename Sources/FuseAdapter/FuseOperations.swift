@@ -175,7 +175,8 @@ func makeOperations() -> fuse_lowlevel_ops {
     ops.readdir = { req, _, size, off, fi in
         let fs = context(req).fs
         answering(req) {
-            let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off))
+            // A dirent takes at least 32 bytes: no more entries than fit are made.
+            let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off), limit: size / 32 + 1)
             var buffer = [CChar](repeating: 0, count: size)
             var used = 0
             buffer.withUnsafeMutableBufferPointer { out in
@@ -196,7 +197,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         let fs = context(req).fs
         let handle = fi!.pointee.fh
         answering(req) {
-            let entries = try fs.readDirectory(handle, from: Int(off))
+            let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 32 + 1)
             var buffer = [CChar](repeating: 0, count: size)
             var used = 0
             try buffer.withUnsafeMutableBufferPointer { out in

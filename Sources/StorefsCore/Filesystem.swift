@@ -207,7 +207,7 @@ public final class Filesystem: Sendable {
             health.note(error)
             if error.code == .notFound {
                 health.noteSuccess()
-                if config.negativeTTL > 0 { negatives.withLock { $0[ByteName(path)] = now() + config.negativeTTL } }
+                if config.negativeTTL > 0 { rememberMissing(path) }
                 throw FilesystemError(.noEntry, "no \(path)")
             }
             // Unreachable or failing: what the last listing of the parent said still holds,
@@ -251,6 +251,24 @@ public final class Filesystem: Sendable {
         }
     }
 
+    /// Bound on remembered missing names: a flood of lookups of names that do not exist (any
+    /// local user can make one) prunes the expired ones, then starts afresh.
+    static let maxNegatives = 16_384
+
+    /// Missing names remembered now (tests).
+    var rememberedMissingCount: Int { negatives.withLock { $0.count } }
+
+    private func rememberMissing(_ path: String) {
+        let t = now()
+        negatives.withLock { n in
+            if n.count >= Self.maxNegatives {
+                n = n.filter { $0.value > t }
+                if n.count >= Self.maxNegatives { n.removeAll() }
+            }
+            n[ByteName(path)] = t + config.negativeTTL
+        }
+    }
+
     /// What the inode table says `path` is (the kernel, or an open file, still knows it).
     private func knownEntry(_ path: String) -> DirectoryListing.Entry? {
         table.withLock { t in
@@ -270,49 +288,58 @@ public final class Filesystem: Sendable {
 
     // MARK: Directories
 
-    /// Lists a directory (from cache when fresh) and pins a snapshot for readdir offsets.
+    /// Lists a directory (from cache when fresh) and pins its snapshot for readdir offsets. The
+    /// snapshot is shared with the listing cache and other handles: a handle costs a
+    /// reference, not a copy of the directory (a local user may open many).
     public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
         let path = try directoryPath(inode)
-        let listing = try fullListing(path, network: network)
-        prefetchListings(under: path, listing)
-        var entries: [Handles.Listed] = [
-            .init(name: ".", kind: .directory, inode: inode, entry: nil),
-            .init(name: "..", kind: .directory, inode: inode, entry: nil),
-        ]
-        let known = table.withLock { t in listing.entries.keys.reduce(into: [ByteName: UInt64]()) { acc, name in
-            if let ino = t.byPath[ByteName(Self.join(path, name.string))] { acc[name] = ino }
-        } }
-        for name in listing.sortedNames {
-            let entry = listing[name: name]!
-            let kind: FileAttributes.Kind = entry == .directory ? .directory : .file
-            entries.append(.init(name: name, kind: kind, inode: known[ByteName(name)] ?? Self.syntheticInode(Self.join(path, name)),
-                                 entry: entry))
-        }
-        return handles.withLock { $0.add(.directory(path: path, entries: entries)) }
+        let snapshot = try fullListing(path, network: network)
+        prefetchListings(under: path, snapshot.listing)
+        return handles.withLock { $0.add(.directory(path: path, inode: inode, snapshot: snapshot)) }
     }
 
-    /// Entries of an open directory from `offset` on (offsets are positions in the snapshot).
-    public func readDirectory(_ handle: UInt64, from offset: Int) throws(FilesystemError) -> ArraySlice<DirectoryEntry> {
-        let (_, entries) = try directorySnapshot(handle)
-        guard offset < entries.count else { return [] }
-        return entries[max(0, offset)...].enumerated().map { i, e in
-            DirectoryEntry(name: e.name, inode: e.inode, kind: e.kind, nextOffset: max(0, offset) + i + 1)
-        }[...]
+    /// At most `limit` entries of an open directory from `offset` on (offsets are positions in
+    /// the snapshot, `.` and `..` first). Work is proportional to the entries returned.
+    public func readDirectory(_ handle: UInt64, from offset: Int, limit: Int = Int.max) throws(FilesystemError) -> [DirectoryEntry] {
+        let (path, inode, snapshot) = try directorySnapshot(handle)
+        let start = max(0, offset)
+        guard start < snapshot.names.count + 2 else { return [] }
+        let end = start + min(snapshot.names.count + 2 - start, max(0, limit))
+        guard start < end else { return [] }
+        var out: [DirectoryEntry] = []
+        out.reserveCapacity(end - start)
+        var paths: [ByteName] = []
+        for i in start..<end where i >= 2 { paths.append(ByteName(Self.join(path, snapshot.names[i - 2]))) }
+        let known = table.withLock { t in paths.map { t.byPath[$0] } }
+        for i in start..<end {
+            if i < 2 {
+                out.append(DirectoryEntry(name: i == 0 ? "." : "..", inode: inode, kind: .directory, nextOffset: i + 1))
+                continue
+            }
+            let name = snapshot.names[i - 2]
+            let kind: FileAttributes.Kind = snapshot.listing[name: name] == .directory ? .directory : .file
+            let k = i - max(2, start)
+            out.append(DirectoryEntry(name: name, inode: known[k] ?? Self.syntheticInode(paths[k].string), kind: kind,
+                                      nextOffset: i + 1))
+        }
+        return out
     }
 
     /// readdirplus: the attributes of entry `offset` of an open directory, counted as a lookup
     /// (the kernel then needs no LOOKUP per name: `ls -l` costs the one listing). nil for `.`/`..`.
     public func lookupListed(_ handle: UInt64, at offset: Int) throws(FilesystemError) -> FileAttributes? {
-        let (path, entries) = try directorySnapshot(handle)
-        guard offset >= 0, offset < entries.count, let entry = entries[offset].entry else { return nil }
-        return register(path: Self.join(path, entries[offset].name), entry: entry, countLookup: true)
+        let (path, _, snapshot) = try directorySnapshot(handle)
+        guard offset >= 2, offset - 2 < snapshot.names.count else { return nil }
+        let name = snapshot.names[offset - 2]
+        guard let entry = snapshot.listing[name: name] else { return nil }
+        return register(path: Self.join(path, name), entry: entry, countLookup: true)
     }
 
-    private func directorySnapshot(_ handle: UInt64) throws(FilesystemError) -> (String, [Handles.Listed]) {
-        guard case .directory(let path, let entries)? = handles.withLock({ $0.open[handle] }) else {
+    private func directorySnapshot(_ handle: UInt64) throws(FilesystemError) -> (String, UInt64, ListingSnapshot) {
+        guard case .directory(let path, let inode, let snapshot)? = handles.withLock({ $0.open[handle] }) else {
             throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
         }
-        return (path, entries)
+        return (path, inode, snapshot)
     }
 
     public func release(_ handle: UInt64) {
@@ -334,21 +361,23 @@ public final class Filesystem: Sendable {
 
     /// The last listing of a directory, however old (for outages).
     private func staleListing(_ dirPath: String) -> DirectoryListing? {
-        listings.withLock { $0[ByteName(dirPath)]?.listing }
+        listings.withLock { $0[ByteName(dirPath)]?.snapshot.listing }
     }
 
-    private func freshListing(_ dirPath: String) -> DirectoryListing? {
+    private func freshSnapshot(_ dirPath: String) -> ListingSnapshot? {
         listings.withLock { l in
             guard let c = l[ByteName(dirPath)], c.expires > now() else { return nil }
-            return c.listing
+            return c.snapshot
         }
     }
 
+    private func freshListing(_ dirPath: String) -> DirectoryListing? { freshSnapshot(dirPath)?.listing }
+
     /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
-    func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> DirectoryListing {
-        if let l = freshListing(dirPath) { return l }
+    func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> ListingSnapshot {
+        if let l = freshSnapshot(dirPath) { return l }
         if let outage = health.outage {
-            guard let old = staleListing(dirPath) else { throw FilesystemError(outage) }
+            guard let old = listings.withLock({ $0[ByteName(dirPath)]?.snapshot }) else { throw FilesystemError(outage) }
             return old
         }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
@@ -365,7 +394,7 @@ public final class Filesystem: Sendable {
             }
             return try shared.get()
         }
-        let result: Result<DirectoryListing, FilesystemError>
+        let result: Result<ListingSnapshot, FilesystemError>
         do throws(FilesystemError) { result = .success(try fetchListing(dirPath, isCancelled: isCancelled)) } catch { result = .failure(error) }
         listingFlights.withLock { _ = $0.removeValue(forKey: ByteName(dirPath)) }
         flight.finish(result)
@@ -396,7 +425,7 @@ public final class Filesystem: Sendable {
 
     /// All pages of a directory. `isCancelled` is the caller's: an interrupted `ls` ends the
     /// listing (others waiting on it then get the interruption too and ask again).
-    private func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> DirectoryListing {
+    private func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> ListingSnapshot {
         let prefix = listingPrefix(of: dirPath)
         var pages: [ListPage] = []
         var token: String? = nil
@@ -419,7 +448,7 @@ public final class Filesystem: Sendable {
             health.noteSuccess()
         } catch {
             health.note(error)
-            if Self.isOutage(error.code), let old = staleListing(dirPath) {
+            if Self.isOutage(error.code), let old = listings.withLock({ $0[ByteName(dirPath)]?.snapshot }) {
                 Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
                 return old
             }
@@ -428,6 +457,7 @@ public final class Filesystem: Sendable {
         }
         if pages.contains(where: { !$0.metadataComplete }) { pages = try completeMetadata(pages) }
         let listing = DirectoryListing(prefix: prefix, pages: pages)
+        let snapshot = ListingSnapshot(listing)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
             if shadowLogged.withLock({ $0.insert(ByteName(full)).inserted }) {
@@ -442,10 +472,10 @@ public final class Filesystem: Sendable {
                     l = l.filter { $0.value.expires > t }
                     if l.count >= Self.maxCachedListings { l.removeAll() }
                 }
-                l[ByteName(dirPath)] = CachedListing(listing: listing, expires: expires)
+                l[ByteName(dirPath)] = CachedListing(snapshot: snapshot, expires: expires)
             }
         }
-        return listing
+        return snapshot
     }
 
     /// Fills in sizes and times of name-only list items (Firebase v0) with metadata GETs, a
@@ -663,13 +693,25 @@ final class Awaited<Value>: @unchecked Sendable {
 }
 
 /// A directory listing under way, which later askers wait for.
-typealias ListingFlight = Awaited<Result<DirectoryListing, FilesystemError>>
+typealias ListingFlight = Awaited<Result<ListingSnapshot, FilesystemError>>
 /// The metadata GET of a lookup, made beside its "is it a directory?" list request.
 typealias ProbeResult = Awaited<Result<ObjectMetadata, StorageError>>
 
 struct CachedListing {
-    var listing: DirectoryListing
+    var snapshot: ListingSnapshot
     var expires: Double
+}
+
+/// One listing of a directory with its names in byte order: what every handle opened on it
+/// reads, shared (immutable).
+final class ListingSnapshot: Sendable {
+    let listing: DirectoryListing
+    let names: [String]
+
+    init(_ listing: DirectoryListing) {
+        self.listing = listing
+        names = listing.sortedNames
+    }
 }
 
 struct OpenFile {
@@ -678,17 +720,9 @@ struct OpenFile {
 }
 
 struct Handles {
-    struct Listed {
-        var name: String
-        var kind: FileAttributes.Kind
-        var inode: UInt64
-        /// What the listing said (nil for `.` and `..`).
-        var entry: DirectoryListing.Entry?
-    }
-
     enum Open {
         case file(OpenFile)
-        case directory(path: String, entries: [Listed])
+        case directory(path: String, inode: UInt64, snapshot: ListingSnapshot)
     }
 
     var open: [UInt64: Open] = [:]

@@ -174,4 +174,31 @@ import StorageClient
         lstat(dir + "/v1/.lock", &st)
         #expect(st.st_mode & S_IFMT == S_IFREG)
     }
+
+    /// A server may say an object is huge: opening it must not cost memory in proportion
+    /// (a 1 TiB object used to allocate 1 GiB of index at open).
+    @Test func aHugeObjectCostsNoIndexMemoryUntilItIsRead() throws {
+        let huge = ObjectMetadata(name: "huge.bin", bucket: "b", size: 1 << 40, generation: 1, updated: Timestamp(seconds: 0))
+        let last = try { () throws -> Int in
+            let cache = try BlockCache(directory: base + "/c", capacity: 64 << 20, blockSize: 16 << 10)
+            let before = residentBytes()
+            let o = try #require(cache.acquire(endpoint: "e", meta: huge))
+            let last = o.format.blockCount - 1
+            pattern(16 << 10).withUnsafeBytes { o.store(first: last, $0) }
+            #expect(o.isCached(last) && !o.isCached(0))
+            #expect(residentBytes() - before < 32 << 20)
+            cache.release(o)
+            return last
+        }()
+        // Its cache file loads again (the index is read in chunks, only present blocks kept).
+        let again = try BlockCache(directory: base + "/c", capacity: 64 << 20, blockSize: 16 << 10)
+        let o = try #require(again.acquire(endpoint: "e", meta: huge))
+        #expect(o.isCached(last) && !o.isCached(0))
+        again.release(o)
+    }
+
+    func residentBytes() -> Int {
+        guard let text = try? String(contentsOfFile: "/proc/self/statm", encoding: .utf8) else { return 0 }
+        return (Int(text.split(separator: " ")[1]) ?? 0) * 4096
+    }
 }

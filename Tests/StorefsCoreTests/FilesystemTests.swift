@@ -226,4 +226,30 @@ import StorageClient
         }
         #expect(store.requests == asked, "nothing more was asked during the outage")
     }
+
+    /// readdir costs what it returns: the kernel asks for a bufferful at a time, deep offsets
+    /// included, and every handle shares one snapshot of the listing.
+    @Test func readdirReturnsAtMostItsLimitFromAnyOffset() throws {
+        for i in 0..<3000 { store.put(String(format: "big/f%05d", i), [1]) }
+        let fs = makeFS()
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "big")
+        let handles = try (0..<50).map { _ in try fs.openDirectory(d.inode) }
+        let page = try fs.readDirectory(handles[7], from: 2990, limit: 5)
+        #expect(page.map(\.name) == (2988..<2993).map { String(format: "f%05d", $0) })
+        #expect(page.map(\.nextOffset) == Array(2991...2995))
+        #expect(try fs.readDirectory(handles[0], from: 3001, limit: 10).map(\.name) == ["f02999"])
+        #expect(try fs.readDirectory(handles[0], from: 3002, limit: 10).isEmpty)
+        #expect(try fs.readDirectory(handles[0], from: 0, limit: 2).map(\.name) == [".", ".."])
+        for h in handles { fs.release(h) }
+    }
+
+    /// Any local user can look up names that do not exist: what is remembered of them stays bounded.
+    @Test func theNegativeCacheIsBounded() throws {
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 60, listTTL: 0, negativeTTL: 600))
+        for i in 0..<(Filesystem.maxNegatives + 500) {
+            #expect(throws: FilesystemError.self) { try fs.lookup(parent: Filesystem.rootInode, name: "missing\(i)") }
+        }
+        #expect(fs.rememberedMissingCount <= Filesystem.maxNegatives)
+    }
 }

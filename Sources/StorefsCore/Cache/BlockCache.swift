@@ -227,7 +227,16 @@ public final class BlockCache: Sendable {
         var index = BlockIndex(count: format.blockCount)
         let perChunk = 1 << 17
         var first = 0
+        let indexEnd = format.entryOffset(format.blockCount)
         while first < format.blockCount {
+            // Holes in the index (never-written pages) are skipped: loading costs what is cached.
+            let data = lseek(fd, off_t(format.entryOffset(first)), 3)  // SEEK_DATA (Linux; not in Glibc's Swift module)
+            if data < 0 || Int64(data) >= indexEnd { break }
+            let firstWithData = max(first, Int((Int64(data) - Int64(CacheFileFormat.headerSize)) / Int64(CacheFileFormat.entrySize)))
+            if firstWithData > first {
+                first = firstWithData
+                continue
+            }
             let n = min(perChunk, format.blockCount - first)
             var raw = [UInt8](repeating: 0, count: n * CacheFileFormat.entrySize)
             let at = off_t(format.entryOffset(first))
@@ -287,8 +296,11 @@ final class CachedObject: Sendable {
         state = Mutex(State(index: index))
     }
 
-    /// The header page: every file costs at least this much disk.
-    var overheadBytes: Int64 { format.dataOffset }
+    /// The header and index pages, counted against the cap. The index region is sparse: a huge
+    /// object's (8 bytes a block of its size) takes disk only where blocks are present, so at
+    /// most a dense object's worth is counted; otherwise opening one object a server says is
+    /// 1 TiB would take 512 MiB of the cap and evict everything else.
+    var overheadBytes: Int64 { min(format.dataOffset, 4096 + Int64(BlockIndex.denseLimit * CacheFileFormat.entrySize)) }
 
     static func diskBytes(_ length: Int) -> Int64 { Int64((length + 4095) / 4096 * 4096) }
 
