@@ -24,5 +24,6 @@ let package = Package(
                           swiftSettings: strict),
         .testTarget(name: "StorageClientTests", dependencies: ["StorageClient"]),
         .testTarget(name: "StorefsCoreTests", dependencies: ["StorefsCore", "StorageClient"]),
+        .testTarget(name: "FuseAdapterTests", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"]),
     ]
 )

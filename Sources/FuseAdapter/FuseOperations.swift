@@ -178,15 +178,12 @@ func makeOperations() -> fuse_lowlevel_ops {
             // A dirent takes at least 32 bytes: no more entries than fit are made.
             let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off), limit: size / 32 + 1)
             var buffer = [CChar](repeating: 0, count: size)
-            var used = 0
-            buffer.withUnsafeMutableBufferPointer { out in
-                for e in entries {
+            let used = try buffer.withUnsafeMutableBufferPointer { out in
+                try DirectoryReply.pack(entries, into: size, entrySize: { fuse_add_direntry(req, nil, 0, $0.name, nil, 0) }) { e, at in
                     var st = stat()
                     st.st_ino = __ino_t(e.inode)
                     st.st_mode = e.kind == .directory ? S_IFDIR : S_IFREG
-                    let need = fuse_add_direntry(req, out.baseAddress! + used, size - used, e.name, &st, off_t(e.nextOffset))
-                    if used + need > size { break }
-                    used += need
+                    _ = fuse_add_direntry(req, out.baseAddress! + at, size - at, e.name, &st, off_t(e.nextOffset))
                 }
             }
             _ = fuse_reply_buf(req, buffer, used)
@@ -199,12 +196,11 @@ func makeOperations() -> fuse_lowlevel_ops {
         answering(req) {
             let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 32 + 1)
             var buffer = [CChar](repeating: 0, count: size)
-            var used = 0
-            try buffer.withUnsafeMutableBufferPointer { out in
-                for e in entries {
+            let used = try buffer.withUnsafeMutableBufferPointer { out in
+                try DirectoryReply.pack(entries, into: size, entrySize: { fuse_add_direntry_plus(req, nil, 0, $0.name, nil, 0) }) { e, at in
                     var param = fuse_entry_param()
-                    let listed = try fs.lookupListed(handle, at: e.nextOffset - 1)
-                    if let listed {
+                    // Counted as a lookup only now that the entry is sure to be sent.
+                    if let listed = try fs.lookupListed(handle, at: e.nextOffset - 1) {
                         param.ino = fuse_ino_t(listed.inode)
                         param.generation = 1
                         param.attr = makeStat(listed)
@@ -214,13 +210,7 @@ func makeOperations() -> fuse_lowlevel_ops {
                         param.attr.st_ino = __ino_t(e.inode)
                         param.attr.st_mode = S_IFDIR
                     }
-                    let need = fuse_add_direntry_plus(req, out.baseAddress! + used, size - used, e.name, &param, off_t(e.nextOffset))
-                    if used + need > size {
-                        // Not sent, so not a reference the kernel holds.
-                        if let listed { fs.forget(listed.inode, count: 1) }
-                        break
-                    }
-                    used += need
+                    _ = fuse_add_direntry_plus(req, out.baseAddress! + at, size - at, e.name, &param, off_t(e.nextOffset))
                 }
             }
             _ = fuse_reply_buf(req, buffer, used)

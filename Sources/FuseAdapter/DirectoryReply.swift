@@ -1,0 +1,28 @@
+/// How a readdir / readdirplus reply is filled, apart from libfuse so it can be tested.
+///
+/// Entries go in order while they fit in the kernel's buffer. `add` writes one entry and is
+/// called only for entries that fit: with readdirplus it counts a kernel reference (a lookup)
+/// to the entry's inode, and the kernel must hold exactly the references it was sent. An error
+/// after some entries went in ends the reply with those entries (the kernel asks again from
+/// the next offset); an error before any is the reply (libfuse's passthrough example does the
+/// same).
+enum DirectoryReply {
+    /// Returns the bytes used. `entrySize` is an entry's packed size (`fuse_add_direntry*` with
+    /// no buffer); `add(entry, offset)` writes it at `offset`.
+    static func pack<Entry>(_ entries: [Entry], into size: Int, entrySize: (Entry) -> Int,
+                            add: (Entry, Int) throws -> Void) throws -> Int {
+        var used = 0
+        for entry in entries {
+            let need = entrySize(entry)
+            if used + need > size { break }
+            do {
+                try add(entry, used)
+            } catch {
+                if used == 0 { throw error }
+                break
+            }
+            used += need
+        }
+        return used
+    }
+}

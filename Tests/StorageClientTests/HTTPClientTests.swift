@@ -1,0 +1,170 @@
+import Foundation
+import Glibc
+import Synchronization
+import Testing
+@testable import StorageClient
+
+/// A one-connection-at-a-time HTTP server on 127.0.0.1 that answers every request with what
+/// `answer` writes to the socket (raw bytes: any status line, header or body, right or wrong).
+final class RawHTTPServer: @unchecked Sendable {
+    let port: UInt16
+    private let listener: Int32
+    private let answer: @Sendable (Int32, String) -> Void
+    private let stopped = Atomic<Bool>(false)
+
+    init(answer: @escaping @Sendable (_ socket: Int32, _ request: String) -> Void) {
+        self.answer = answer
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        var one: Int32 = 1
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, socklen_t(MemoryLayout<Int32>.size))
+        var addr = sockaddr_in()
+        addr.sin_family = sa_family_t(AF_INET)
+        addr.sin_addr.s_addr = inet_addr("127.0.0.1")
+        addr.sin_port = 0
+        _ = withUnsafePointer(to: &addr) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) } }
+        listen(fd, 16)
+        var len = socklen_t(MemoryLayout<sockaddr_in>.size)
+        _ = withUnsafeMutablePointer(to: &addr) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &len) } }
+        listener = fd
+        port = UInt16(bigEndian: addr.sin_port)
+        Thread { [self] in self.serve() }.start()
+    }
+
+    var url: String { "http://127.0.0.1:\(port)/o" }
+
+    private func serve() {
+        while !stopped.load(ordering: .relaxed) {
+            let c = accept(listener, nil, nil)
+            if c < 0 { return }
+            Thread { [self] in
+                var request = [UInt8]()
+                var buf = [UInt8](repeating: 0, count: 4096)
+                while !request.suffix(4).elementsEqual("\r\n\r\n".utf8) {
+                    let n = recv(c, &buf, buf.count, 0)
+                    if n <= 0 { break }
+                    request += buf[0..<n]
+                }
+                self.answer(c, String(decoding: request, as: UTF8.self))
+                close(c)
+            }.start()
+        }
+    }
+
+    func stop() {
+        stopped.store(true, ordering: .relaxed)
+        shutdown(listener, Int32(SHUT_RDWR))
+        close(listener)
+    }
+
+    static func send(_ c: Int32, _ text: String) {
+        _ = text.withCString { Glibc.send(c, $0, strlen($0), Int32(MSG_NOSIGNAL)) }
+    }
+}
+
+/// CurlTransfer's range handling and the time bounds, against real sockets (docs/integrity.md
+/// level 2, docs/security.md "Time bounds").
+@Suite struct HTTPClientTests {
+    static let object = (0..<100).map { Character(UnicodeScalar(UInt8(65 + $0 % 26))) }.map(String.init).joined()
+
+    func get(_ server: RawHTTPServer, start: Int64, count: Int, timeouts: HTTPClient.Timeouts = .init(),
+             deadline: Double? = nil, isCancelled: (@Sendable () -> Bool)? = nil) throws -> String {
+        let http = HTTPClient(timeouts: timeouts, userAgent: "test")
+        var out = [UInt8](repeating: 0, count: count)
+        try out.withUnsafeMutableBytes {
+            _ = try http.getRange(server.url, headers: [], start: start, into: $0, deadline: deadline, isCancelled: isCancelled)
+        }
+        return String(decoding: out, as: UTF8.self)
+    }
+
+    @Test func aWholeObjectAnswerToARangeIsSliced() throws {
+        let server = RawHTTPServer { c, _ in
+            RawHTTPServer.send(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + Self.object)
+        }
+        defer { server.stop() }
+        #expect(try get(server, start: 30, count: 10) == String(Self.object.dropFirst(30).prefix(10)))
+    }
+
+    @Test(arguments: ["bytes 31-40/100", "bytes 0-99/100", "bytes 30-99/100", "nonsense"])
+    func a206ForAnotherRangeIsATransferFaultNotData(contentRange: String) throws {
+        let server = RawHTTPServer { c, _ in
+            RawHTTPServer.send(c, "HTTP/1.1 206 Partial Content\r\nContent-Range: \(contentRange)\r\nContent-Length: 10\r\n\r\n"
+                               + String(Self.object.dropFirst(31).prefix(10)))
+        }
+        defer { server.stop() }
+        #expect { _ = try get(server, start: 30, count: 10) } throws: {
+            // Retried by the caller like a reset, never taken as the asked bytes.
+            ($0 as? StorageError)?.code == .retryLimitExceeded
+        }
+    }
+
+    @Test func aShortBodyIsATransferFault() throws {
+        let server = RawHTTPServer { c, _ in
+            RawHTTPServer.send(c, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 30-39/100\r\nContent-Length: 10\r\n\r\nABCD")
+        }
+        defer { server.stop() }
+        #expect { _ = try get(server, start: 30, count: 10) } throws: { ($0 as? StorageError)?.code == .retryLimitExceeded }
+    }
+
+    @Test func anEndlessErrorBodyEndsTheTransferAtOnce() throws {
+        let server = RawHTTPServer { c, _ in
+            RawHTTPServer.send(c, "HTTP/1.1 500 Internal Server Error\r\nTransfer-Encoding: chunked\r\n\r\n")
+            let chunk = "1000\r\n" + String(repeating: "x", count: 4096) + "\r\n"
+            for _ in 0..<100_000 { if chunk.withCString({ Glibc.send(c, $0, strlen($0), Int32(MSG_NOSIGNAL)) }) < 0 { return } }
+        }
+        defer { server.stop() }
+        let start = Date()
+        let http = HTTPClient(userAgent: "test")
+        let r = try http.get(server.url, headers: [])
+        #expect(r.status == 500 && r.body.count <= 64 * 1024)
+        #expect(Date().timeIntervalSince(start) < 2)
+    }
+
+    @Test func aServerThatNeverAnswersIsAbandonedAfterTheResponseTimeout() throws {
+        let server = RawHTTPServer { _, _ in Thread.sleep(forTimeInterval: 8) }
+        defer { server.stop() }
+        let start = Date()
+        #expect { _ = try get(server, start: 0, count: 10, timeouts: .init(connect: 5, response: 1)) } throws: {
+            ($0 as? StorageError)?.code == .retryLimitExceeded
+        }
+        #expect(Date().timeIntervalSince(start) < 4)
+    }
+
+    @Test func aTrickleIsAStall() throws {
+        let server = RawHTTPServer { c, _ in
+            RawHTTPServer.send(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for ch in Self.object {
+                RawHTTPServer.send(c, String(ch))
+                Thread.sleep(forTimeInterval: 0.5)
+            }
+        }
+        defer { server.stop() }
+        let start = Date()
+        #expect(throws: StorageError.self) { _ = try get(server, start: 0, count: 100, timeouts: .init(connect: 5, response: 1)) }
+        #expect(Date().timeIntervalSince(start) < 5)
+    }
+
+    @Test func theDeadlineEndsARequestHoweverFarItGot() throws {
+        let server = RawHTTPServer { _, _ in Thread.sleep(forTimeInterval: 8) }
+        defer { server.stop() }
+        let start = Date()
+        #expect(throws: StorageError.self) {
+            _ = try get(server, start: 0, count: 10, timeouts: .init(connect: 5, response: 30), deadline: monotonicNow() + 1)
+        }
+        #expect(Date().timeIntervalSince(start) < 3)
+    }
+
+    /// Cancellation is noticed while the request waits for headers, not only when body bytes
+    /// arrive (libcurl's progress callback), and the retry waits end at once.
+    @Test func anInterruptedCallerStopsWaitingForHeaders() throws {
+        let server = RawHTTPServer { _, _ in Thread.sleep(forTimeInterval: 8) }
+        defer { server.stop() }
+        let start = Date()
+        let cancelled: @Sendable () -> Bool = { Date().timeIntervalSince(start) > 0.3 }
+        #expect { _ = try get(server, start: 0, count: 10, timeouts: .init(connect: 5, response: 30), isCancelled: cancelled) } throws: {
+            ($0 as? StorageError)?.code == .cancelled
+        }
+        #expect(Date().timeIntervalSince(start) < 2.5)
+        #expect(!RetryPolicy.sleep(5, isCancelled: cancelled))
+        #expect(Date().timeIntervalSince(start) < 3)
+    }
+}
