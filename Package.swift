@@ -17,7 +17,7 @@ let package = Package(
         .target(name: "CBlockCache", linkerSettings: [.linkedLibrary("crypto")]),
         .target(name: "CCrypto", linkerSettings: [.linkedLibrary("crypto")]),
         .target(name: "CProcess"),
-        .target(name: "StorageClient", dependencies: ["CCurl", "CCrypto"], swiftSettings: strict),
+        .target(name: "StorageClient", dependencies: ["CCurl", "CCrypto", "CBlockCache"], swiftSettings: strict),
         .target(name: "StorefsCore", dependencies: ["StorageClient", "CBlockCache", "CProcess"], swiftSettings: strict),
         .target(name: "FuseAdapter", dependencies: ["StorefsCore", "CFuse3"], swiftSettings: strict),
         .executableTarget(name: "storefs", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"],

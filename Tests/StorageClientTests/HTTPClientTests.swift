@@ -167,4 +167,33 @@ final class RawHTTPServer: @unchecked Sendable {
         #expect(!RetryPolicy.sleep(5, isCancelled: cancelled))
         #expect(Date().timeIntervalSince(start) < 3)
     }
+
+    /// A whole-object answer that says its CRC32C is checked when read to its end.
+    @Test(arguments: [(true, true), (false, false)])
+    func aWholeObjectAnswerIsCheckedAgainstItsGoogHash(honest: Bool, succeeds: Bool) throws {
+        let body = Self.object
+        // CRC32C of the 100 bytes, big-endian, base64 (computed by the server side of the test).
+        let crc = body.utf8.withContiguousStorageIfAvailable { p in crc32cForTest(UnsafeRawBufferPointer(p)) }!
+        let header = Data([UInt8(crc >> 24), UInt8(crc >> 16 & 0xff), UInt8(crc >> 8 & 0xff), UInt8(crc & 0xff)]).base64EncodedString()
+        let sent = honest ? body : "X" + body.dropFirst()
+        let server = RawHTTPServer { c, _ in
+            RawHTTPServer.send(c, "HTTP/1.1 200 OK\r\nx-goog-hash: crc32c=\(header),md5=AAAA\r\nContent-Length: 100\r\n\r\n" + sent)
+        }
+        defer { server.stop() }
+        if succeeds {
+            #expect(try get(server, start: 0, count: 100) == body)
+        } else {
+            #expect { _ = try get(server, start: 0, count: 100) } throws: { ($0 as? StorageError)?.code == .retryLimitExceeded }
+        }
+    }
+}
+
+/// Bitwise CRC32C (Castagnoli), independent of the code under test.
+func crc32cForTest(_ bytes: UnsafeRawBufferPointer) -> UInt32 {
+    var crc: UInt32 = 0xFFFF_FFFF
+    for b in bytes {
+        crc ^= UInt32(b)
+        for _ in 0..<8 { crc = crc & 1 != 0 ? (crc >> 1) ^ 0x82F6_3B78 : crc >> 1 }
+    }
+    return ~crc
 }

@@ -13,6 +13,8 @@ import threading
 
 from storefs_testlib import BUCKET, mount_at, run_storefs
 
+# A bucket of its own: the corpus bucket is listed exactly by other tests.
+HB = "hardening-bucket"
 NFC = "bytes/caf\u00e9.txt"
 NFD = "bytes/cafe\u0301.txt"
 K = "bytes/Key.sh"
@@ -110,9 +112,10 @@ def test_proxy_variables_never_reroute_tokens_for_loopback(mount, corpus, tmp_pa
 def test_names_are_bytes_not_unicode(mount, emulator):
     """NFC/NFD spellings and K/KELVIN SIGN are equal Swift Strings but four objects."""
     bodies = {NFC: b"nfc\n", NFD: b"nfd\n", K: b"ascii K\n", KELVIN: b"kelvin sign\n"}
+    emulator.create_bucket(HB, exist_ok=True)
     for name, body in bodies.items():
-        emulator.upload(BUCKET, name, body)
-    m = mount(BUCKET)
+        emulator.upload(HB, name, body)
+    m = mount(HB)
     listed = set(os.listdir(m.p("bytes").encode()))
     assert listed == {n.split("/", 1)[1].encode() for n in bodies}, listed
     inodes = set()
@@ -126,9 +129,10 @@ def test_names_are_bytes_not_unicode(mount, emulator):
 
 def test_object_names_cannot_forge_log_lines(mount, emulator):
     """A newline and an escape sequence in a name are escaped in the log."""
-    emulator.upload(BUCKET, INJECT, b"shadowed\n")
-    emulator.upload(BUCKET, INJECT + "/inside.txt", b"inside\n")
-    m = mount(BUCKET, options=["log_level=debug"])
+    emulator.create_bucket(HB, exist_ok=True)
+    emulator.upload(HB, INJECT, b"shadowed\n")
+    emulator.upload(HB, INJECT + "/inside.txt", b"inside\n")
+    m = mount(HB, options=["log_level=debug"])
     os.listdir(m.p("inject"))   # the listing logs the hidden file by name
     err = m.stderr()
     assert "FORGED" in err, "the name was never logged: the test proves nothing"

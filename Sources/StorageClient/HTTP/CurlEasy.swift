@@ -1,3 +1,4 @@
+internal import CBlockCache
 internal import CCurl
 import Foundation
 
@@ -46,6 +47,10 @@ final class CurlTransfer {
     /// Set once the first body byte arrives and the status has been examined.
     private var bodyMode: BodyMode = .undecided
     private var skip: Int64 = 0
+    /// For a whole-object answer (200) that says its CRC32C (`x-goog-hash: crc32c=…`): the
+    /// expected value and the CRC of every body byte so far (docs/integrity.md, level 2).
+    var expectedCRC: UInt32?
+    var bodyCRC: UInt32 = 0
     var filled = 0
     /// The window was full and the transfer was stopped on purpose (a 200 answer to a range).
     var stoppedEarly = false
@@ -109,6 +114,7 @@ final class CurlTransfer {
             return data.count
         case .window:
             guard case .window(let buffer, _) = sink else { return 0 }
+            if expectedCRC != nil { bodyCRC = cchecksum_crc32c(bodyCRC, data.baseAddress, data.count) }
             var chunk = data
             if skip > 0 {
                 let drop = Int(min(skip, Int64(chunk.count)))
@@ -156,9 +162,29 @@ final class CurlTransfer {
                 skip = 0
             } else {
                 skip = start  // 200: the whole body; slice our window out of it
+                expectedCRC = headers["x-goog-hash"].flatMap(Self.crc32c(fromGoogHash:))
             }
             bodyMode = .window
         }
+    }
+}
+
+extension CurlTransfer {
+    /// The `crc32c=` of an `x-goog-hash` header (`crc32c=BASE64,md5=BASE64`): 4 big-endian bytes.
+    static func crc32c(fromGoogHash header: String) -> UInt32? {
+        for part in header.split(separator: ",") {
+            let item = part.trimmingCharacters(in: .whitespaces)
+            guard item.hasPrefix("crc32c="), let data = Data(base64Encoded: String(item.dropFirst(7))), data.count == 4 else { continue }
+            return data.reduce(UInt32(0)) { $0 << 8 | UInt32($1) }
+        }
+        return nil
+    }
+
+    /// A whole-object answer read to its end whose bytes do not match its own crc32c: a
+    /// transfer fault (retried), never data. nil when it matches or cannot be checked.
+    var wholeBodyMismatch: StorageError? {
+        guard let expectedCRC, !stoppedEarly, bodyCRC != expectedCRC else { return nil }
+        return StorageError(.retryLimitExceeded, "the answer's bytes do not match its x-goog-hash crc32c")
     }
 }
 

@@ -159,6 +159,7 @@ public final class HTTPClient: Sendable {
             if let failure = transfer.failure, transfer.status == 0 || (200..<300).contains(status) {
                 throw failure
             }
+            if let mismatch = transfer.wholeBodyMismatch { throw mismatch }
             if case .window(let buffer, _) = sink, (200..<300).contains(status), transfer.filled < buffer.count {
                 // A cut-short answer is a transfer fault: tried again, like a reset.
                 throw StorageError(.retryLimitExceeded,
