@@ -730,3 +730,40 @@ def open_close(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> None:
     os.close(os.open(path, flags, mode))
 
 
+# ====================================================================== reading and checksums
+def read_whole(path: str) -> bytes:
+    """Whole file through a fresh descriptor, the kernel's page cache of it dropped first, so
+    the bytes really come from storefs (its block cache or the network)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC32C (Castagnoli), bitwise and table-driven: independent of the code under test."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF

@@ -25,7 +25,8 @@ import time
 
 import pytest
 
-from storefs_testlib import BUCKET, Corpus, is_mounted, pid_alive, pids_with_arg, run_storefs
+from storefs_testlib import (BUCKET, Corpus, crc32c, is_mounted, pid_alive, pids_with_arg, read_whole,
+                             run_storefs)
 
 KiB, MiB = 1 << 10, 1 << 20
 NOBODY = 65534
@@ -34,25 +35,6 @@ HELLO, LINES = "files/hello.txt", "files/lines.txt"
 SMALL = [HELLO, LINES, Corpus.GZIP]
 
 
-# ====================================================================== CRC32C (Castagnoli)
-def _crc_table() -> list[int]:
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_CRC_TABLE = _crc_table()
-
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
 
 
 def test_crc32c_helper_matches_the_standard_check_value():
@@ -135,22 +117,6 @@ def planted_copy(data: bytes) -> bytes:
 
 
 # ====================================================================== helpers
-def read_file(path: str) -> bytes:
-    """Whole file through a fresh descriptor, page cache dropped first."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks = []
-        while True:
-            b = os.read(fd, 1 * MiB)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def pread_random(path: str, ranges) -> list[bytes]:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -209,7 +175,7 @@ def populate(mount, corpus) -> str:
     stays partly cached); returns the cache_dir once unmounted."""
     m = mount(BUCKET)
     for name in SMALL:
-        assert read_file(m.p(name)) == corpus.data[name], name
+        assert read_whole(m.p(name)) == corpus.data[name], name
     big = corpus.data[Corpus.BIG]
     ranges = [(0, 64 * KiB), (5 * MiB + 3, 40 * KiB), (17 * MiB, 16 * KiB)]
     assert pread_random(m.p(Corpus.BIG), ranges) == [big[o:o + n] for o, n in ranges]
@@ -228,7 +194,7 @@ def remount(mount, cache_dir: str, **kwargs):
 def verify_reads(m, corpus) -> None:
     """Every populated object reads back exactly (the 24 MiB one whole, and at random)."""
     for name in SMALL + [Corpus.BIG]:
-        got = read_file(m.p(name))
+        got = read_whole(m.p(name))
         assert len(got) == len(corpus.data[name]), f"{name}: {len(got)} bytes"
         assert got == corpus.data[name], f"{name}: bytes differ from the uploaded object"
     big = corpus.data[Corpus.BIG]
@@ -339,7 +305,7 @@ def test_fresh_cache_dir_is_created_0700_and_works(mount, corpus):
     os.chmod(parent, 0o755)
     cache_dir = os.path.join(parent, "fresh")
     m = mount(BUCKET, cache_dir=cache_dir)
-    assert read_file(m.p(LINES)) == corpus.data[LINES]
+    assert read_whole(m.p(LINES)) == corpus.data[LINES]
     for d in (cache_dir, os.path.join(cache_dir, "v1")):
         st = os.lstat(d)
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700, \
@@ -444,7 +410,7 @@ def test_planted_block_with_valid_crc_is_never_served(mount, corpus, block_size)
     options = [f"block_size={block_size}"] if block_size else []
     m = mount(BUCKET, options=options)
     data = corpus.data[LINES]
-    assert read_file(m.p(LINES)) == data
+    assert read_whole(m.p(LINES)) == data
     assert mount.unmount(m) == []
     cf = cache_file_of(m.cache_dir, corpus, LINES)
     assert cf.present() == list(range(cf.block_count)), "the object is not wholly cached"
@@ -460,7 +426,7 @@ def test_planted_block_with_valid_crc_is_never_served(mount, corpus, block_size)
     outcomes = []
     for attempt in range(2):
         try:
-            got = read_file(again.p(LINES))
+            got = read_whole(again.p(LINES))
         except OSError as exc:
             assert exc.errno == errno.EIO, f"read #{attempt}: {errno.errorcode.get(exc.errno)}"
             outcomes.append("EIO")

@@ -39,7 +39,7 @@ import time
 
 import pytest
 
-from storefs_testlib import BUCKET, Corpus, ForbiddingProxy, is_mounted, wait_pid_gone
+from storefs_testlib import BUCKET, Corpus, ForbiddingProxy, crc32c, is_mounted, read_whole, wait_pid_gone
 
 KiB, MiB = 1 << 10, 1 << 20
 ROUNDS = int(os.environ.get("STOREFS_CRASH_ROUNDS", "3"))
@@ -50,25 +50,6 @@ OPTIONS = ["cache_size=12M"]
 JOIN_S = 20.0            # a reader still inside the dead mount after this is a hang
 
 
-# ====================================================================== CRC32C (Castagnoli)
-def _crc_table() -> list[int]:
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_CRC_TABLE = _crc_table()
-
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
 
 
 # ====================================================================== helpers
@@ -101,21 +82,6 @@ def key_hash(endpoint: str, bucket: str, name: str, generation: int) -> str:
 def first_difference(got: bytes, want: bytes) -> int:
     return next((k for k in range(min(len(got), len(want))) if got[k] != want[k]),
                 min(len(got), len(want)))
-
-
-def read_whole(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks = []
-        while True:
-            b = os.read(fd, 1 * MiB)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def take_down_dead_mount(path: str) -> None:
