@@ -20,12 +20,16 @@ public final class BucketHealth: Sendable {
     }
 
     private let state = Mutex(State())
+    /// Whether an outage was noted: every read and download looks, so the common answer
+    /// ("no") takes no lock.
+    private let noted = Atomic<Bool>(false)
 
     public init(holdSeconds: Double = 5) { self.holdSeconds = holdSeconds }
 
     /// The error of the outage in force, or nil when the bucket is to be asked.
     public var outage: StorageError? {
-        state.withLock { s in s.until > now() ? s.error : nil }
+        guard noted.load(ordering: .acquiring) else { return nil }
+        return state.withLock { s in s.until > now() ? s.error : nil }
     }
 
     /// Records what an operation that asked the bucket found.
@@ -37,12 +41,15 @@ public final class BucketHealth: Sendable {
             s.error = error
             return !was
         }
+        noted.store(true, ordering: .releasing)
         if started {
             Log.warn("the bucket does not answer (\(error.message)): known names, attributes, listings and cached bytes are served without asking, the rest fails at once, for \(Int(holdSeconds)) s at a time")
         }
     }
 
     func noteSuccess() {
+        guard noted.load(ordering: .acquiring) else { return }
+        noted.store(false, ordering: .releasing)
         let ended = state.withLock { s -> Bool in
             defer { s.until = 0; s.error = nil }
             return s.error != nil

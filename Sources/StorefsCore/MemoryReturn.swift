@@ -4,21 +4,14 @@ import Synchronization
 
 /// Makes memory that a burst of reads took go back to the system afterwards.
 ///
-/// Measured (issue 13): after 16 readers had read 4 GiB, RSS stayed at ~300 MiB over a 29 MiB
-/// baseline, in 8–24 MiB anonymous mappings: glibc's per-thread malloc arenas (up to 8 per
-/// core) keep freed chunks, and its mmap threshold rises after every large free, so later
-/// large buffers come from arenas and stay. Download and reply buffers are pooled or
-/// mmapped by storefs itself; what is left is allocated through malloc, so:
-/// - the mmap threshold is fixed at 128 KiB (large blocks are mapped and unmapped, never kept),
-/// - arenas are limited to 4,
-/// - buffer pools let their buffers go once idle for a couple of seconds,
-/// - and a background thread returns free arena pages (`malloc_trim`) every few seconds.
+/// Measured (issue 13): after 16 readers had read 4 GiB, RSS stayed ~110 MiB over a 30 MiB
+/// baseline: the FUSE reply buffers (32 × 1 MiB) and the download regions kept by their pools,
+/// and free pages glibc's arenas kept. Now pools let their buffers go once idle for a couple of
+/// seconds, and a background thread returns free malloc pages (`malloc_trim`): 4–14 MiB over
+/// the baseline 5 s later (scripts/stress memory). Capping arenas and fixing glibc's mmap
+/// threshold were tried too: they cost ~10% of cold sequential throughput and ~40% on `find`
+/// (bench/run --quick, A/B) for no gain once the pools return their buffers.
 public enum MemoryReturn {
-    /// Before any thread exists (the arena limit applies to arenas created later).
-    public static func configureAllocator() {
-        cprocess_tune_malloc()
-    }
-
     /// Buffer pools register how to let their idle buffers go (`idle`: seconds unused).
     public static func register(_ release: @escaping @Sendable (_ idle: Double) -> Void) {
         pools.withLock { $0.append(release) }

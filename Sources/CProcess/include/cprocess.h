@@ -1,14 +1,11 @@
 #ifndef STOREFS_CPROCESS_H
 #define STOREFS_CPROCESS_H
-/* Process-wide settings Swift cannot reach: prctl is variadic, and malloc.h (mallopt,
- * malloc_trim) is not part of Glibc's Swift module. */
+/* Process-wide settings Swift cannot reach: prctl is variadic, and malloc.h (malloc_trim)
+ * is not part of Glibc's Swift module. */
 
 /* No core dumps, no ptrace or /proc/PID/mem by other processes of the same user: the
  * process holds tokens and keys. 0 or -1/errno. */
 int cprocess_make_undumpable(void);
-/* Fixes the mmap threshold at 128 KiB (glibc raises it after every large free, and blocks
- * above it then stay in arenas), caps arenas at 4 and trims above 1 MiB. */
-void cprocess_tune_malloc(void);
 /* Returns free malloc pages to the system (malloc_trim). */
 int cprocess_malloc_trim(void);
 #endif

@@ -266,9 +266,6 @@ final class CachedObject: Sendable {
         var expected: UInt32?
         /// Every block was there and their combined CRC32C matched `expected`.
         var verified = false
-        /// How many times bytes of this object were found wrong after readers may have had
-        /// them; a stream opened before the latest one fails its reads (docs/integrity.md).
-        var servedWrongEpoch = 0
     }
 
     /// What storing blocks did to the object as a whole (docs/integrity.md).
@@ -283,6 +280,7 @@ final class CachedObject: Sendable {
     }
 
     private let state: Mutex<State>
+    private let servedWrong = Atomic<Int>(0)
     /// One writer per file at a time: concurrent buffered writes into one file queue on its
     /// inode lock, and the kernel spins waiting for it (with 4 read-ahead threads that spinning
     /// cost more CPU than the copies). A sleeping lock of our own is cheaper.
@@ -505,9 +503,12 @@ final class CachedObject: Sendable {
     /// Bytes of this object were served before a mismatch showed they may be wrong: every
     /// file open on it until now fails its further reads (the kernel would otherwise retry a
     /// failed page and hide the error), and opens after this drop the kernel's page cache.
-    func noteServedWrong() { state.withLock { $0.servedWrongEpoch += 1 } }
+    func noteServedWrong() { servedWrong.add(1, ordering: .releasing) }
 
-    var servedWrongEpoch: Int { state.withLock { $0.servedWrongEpoch } }
+    /// How many times bytes of this object were found wrong after readers may have had them; a
+    /// stream opened before the latest one fails its reads (docs/integrity.md). Read on every
+    /// read: an atomic, not the state lock its readers share.
+    var servedWrongEpoch: Int { servedWrong.load(ordering: .acquiring) }
 
     /// Whether a known CRC32C still waits to be checked (so completing the object matters).
     var awaitsCheck: Bool { state.withLock { $0.expected != nil && !$0.verified } }
