@@ -39,6 +39,7 @@ public final class HTTPClient: Sendable {
     private struct CurlEasyBox: @unchecked Sendable { let easy: CurlEasy }
 
     private let pool = Mutex(Handles())
+    private let loopbackOrigins = Mutex([String: Bool]())
     private let timeouts: Timeouts
     private let userAgent: String
 
@@ -183,9 +184,17 @@ public final class HTTPClient: Sendable {
         }
     }
 
-    /// Whether `url` names this machine (cheap: called for every request).
+    /// Whether `url` names this machine. Called for every request, so the answer is kept per
+    /// `scheme://authority` (a mount talks to one or two origins).
     private func isLoopback(_ url: String) -> Bool {
-        URLOrigin(url)?.isLoopback == true
+        let bytes = url.utf8
+        guard let sep = bytes.firstRange(of: "://".utf8) else { return false }
+        let end = bytes[sep.upperBound...].firstIndex { $0 == UInt8(ascii: "/") || $0 == UInt8(ascii: "?") } ?? bytes.endIndex
+        let key = String(url[url.startIndex..<end])
+        if let known = loopbackOrigins.withLock({ $0[key] }) { return known }
+        let answer = URLOrigin(url)?.isLoopback == true
+        loopbackOrigins.withLock { if $0.count < 64 { $0[key] = answer } }
+        return answer
     }
 
     /// `scheme://host:port` of a URL, for error messages that must not carry query strings.
