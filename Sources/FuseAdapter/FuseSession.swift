@@ -69,7 +69,7 @@ public enum FuseSession {
         defer { fuse_session_destroy(se) }
 
         // Background jobs inherit SIGINT as ignored, and libfuse only installs its handlers
-        // over SIG_DFL (fuse-swift-notes.md pitfall 10).
+        // over SIG_DFL (docs/fuse-notes.md, item 10).
         signal(SIGINT, SIG_DFL)
         signal(SIGTERM, SIG_DFL)
         signal(SIGHUP, SIG_DFL)
@@ -135,7 +135,7 @@ public enum FuseSession {
     }
 
     /// Writes `read_ahead_kb` of the mount's backing device so buffered sequential reads arrive
-    /// as 1 MiB requests (fuse-swift-notes.md pitfall 8). Best effort: needs root.
+    /// as 1 MiB requests (docs/fuse-notes.md, item 8). Best effort: needs root.
     private static func raiseReadahead(mountpoint: String) {
         guard let mountinfo = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return }
         let escaped = mountpoint.replacingOccurrences(of: " ", with: "\\040")

@@ -5,7 +5,7 @@ import Synchronization
 public protocol Credentials: Sendable {
     /// The header value (`Bearer …`), or nil to send none. `forceRefresh` is set after a 401.
     func authorization(forceRefresh: Bool) throws(StorageError) -> String?
-    /// Whether a request may be sent with them over plain http (loopback only, protocol.md §2.1).
+    /// Whether a request may be sent with them over plain http (loopback only, docs/protocol.md §2.1).
     var sendsSecrets: Bool { get }
 }
 

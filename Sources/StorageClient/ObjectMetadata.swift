@@ -78,7 +78,7 @@ public struct ObjectMetadata: Sendable, Equatable {
     public var name: String
     public var bucket: String
     public var size: Int64
-    /// Content identity: cached bytes are keyed by it (never by metageneration, protocol.md §2.2).
+    /// Content identity: cached bytes are keyed by it (never by metageneration, docs/protocol.md §2.2).
     public var generation: Int64
     public var metageneration: Int64
     public var updated: Timestamp

@@ -1,4 +1,4 @@
-/// Percent-encoding of bucket and object names (protocol.md §1.3, §8).
+/// Percent-encoding of bucket and object names (docs/protocol.md §1.3, §8).
 ///
 /// One rule for both protocols, for paths and query values alike: every byte outside
 /// `A–Z a–z 0–9 - . _ ~` is written as `%XX` (uppercase hex) of its UTF-8 encoding.

@@ -52,7 +52,7 @@ public struct StorageError: Error, Sendable, CustomStringConvertible {
         return message
     }
 
-    /// Classifies an HTTP status the way design.md's errno table expects.
+    /// Classifies an HTTP status the way the errno table (README, "Errors") expects.
     public static func fromStatus(_ status: Int, what: String, file: String = #fileID, line: Int = #line) -> StorageError {
         let code: Code
         switch status {

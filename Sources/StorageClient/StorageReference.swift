@@ -1,6 +1,6 @@
 /// A mount source: a bucket plus an optional object prefix (the sub-tree that is mounted).
 ///
-/// Accepted forms, parsed the way the Firebase SDKs build a storage reference (protocol.md §1):
+/// Accepted forms, parsed the way the Firebase SDKs build a storage reference (docs/protocol.md §1):
 /// - `bucket`
 /// - `gs://bucket[/prefix]` (no percent-decoding, as in the iOS SDK)
 /// - `http(s)://host/v0/b/bucket[/o[/encoded-prefix]]` (path components percent-decoded; host not checked)

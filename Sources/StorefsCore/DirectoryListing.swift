@@ -1,6 +1,6 @@
 import StorageClient
 
-/// One directory's entries, merged from the pages of a delimited listing (design.md §1).
+/// One directory's entries, merged from the pages of a delimited listing (README, "Namespace semantics").
 ///
 /// - Sub-prefixes become directories; a directory shadows a same-named file.
 /// - The placeholder object equal to the listed prefix (`dir/`) is not an entry of its own.

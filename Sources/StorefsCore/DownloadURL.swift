@@ -2,7 +2,7 @@ import Foundation
 import StorageClient
 import Synchronization
 
-/// `user.storefs.download_url` (design.md §1, "Extended attributes"): the Firebase token URL
+/// `user.storefs.download_url` (README, "Extended attributes"): the Firebase token URL
 /// when the object has a download token, else a V4 signed URL when a service-account key is at
 /// hand, else the public `storage.googleapis.com` URL. A URL is a capability, so who may read
 /// the attribute is a policy of its own (`url_xattr=`).

@@ -1,7 +1,7 @@
 import Glibc
 import StorageClient
 
-/// The one place where storefs decides an errno (design.md §1, "Errors").
+/// The one place where storefs decides an errno (README, "Errors").
 ///
 /// Exhaustive on purpose: adding a case to `FilesystemError.Code` or `StorageError.Code`
 /// fails the build until its errno is chosen here.

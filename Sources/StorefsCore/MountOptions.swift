@@ -4,7 +4,7 @@ import StorageClient
 
 /// The parsed command line: `storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT`.
 ///
-/// Option names are the contract (design.md §1). mount(8) noise that mount.fuse3 passes
+/// Option names are the contract (README, "Options"). mount(8) noise that mount.fuse3 passes
 /// through is accepted and dropped; a few FUSE options are forwarded to libfuse; anything
 /// else is an error that names the option.
 public struct MountOptions: Sendable, Equatable {
@@ -223,7 +223,7 @@ public struct MountOptions: Sendable, Equatable {
                 throw ParseError(message: "unknown option '\(item)': see storefs --help for the options storefs accepts")
             }
         }
-        // Emulator variables (protocol.md §3.3): the Firebase one selects the v0 protocol.
+        // Emulator variables (docs/protocol.md §3.3): the Firebase one selects the v0 protocol.
         if o.endpoint == nil, let fb = environment["FIREBASE_STORAGE_EMULATOR_HOST"], !fb.isEmpty,
            !explicitProtocol || o.storageProtocol == .firebase {
             o.storageProtocol = .firebase

@@ -3,7 +3,7 @@ import Glibc
 import StorageClient
 import StorefsCore
 
-/// Picks the credentials a mount uses, in the order design.md and the issue give:
+/// Picks the credentials a mount uses, in this order (README, "Which credentials a mount uses"):
 /// `anonymous` → `token_file=` → `api_key=` (Firebase user) → `credentials=` /
 /// GOOGLE_APPLICATION_CREDENTIALS / gcloud's application-default file → the metadata server
 /// (GCE_METADATA_HOST, or metadata.google.internal when it answers) → none.

@@ -4,7 +4,7 @@ import StorageClient
 @testable import StorefsCore
 
 @Suite struct ErrnoTests {
-    /// design.md §1 "Errors", row by row.
+    /// The README's "Errors" table, row by row.
     @Test(arguments: [
         (StorageError.Code.notFound, ENOENT), (.unauthenticated, EACCES), (.unauthorized, EACCES),
         (.quotaExceeded, EAGAIN), (.generationChanged, ESTALE), (.retryLimitExceeded, EIO),

@@ -1,6 +1,6 @@
 import Foundation
 
-/// Google OAuth2 credentials for the GCS JSON API (and admin access to v0), protocol.md §5.7.
+/// Google OAuth2 credentials for the GCS JSON API (and admin access to v0), docs/protocol.md §5.7.
 public enum GoogleCredentials {
     public static let readOnlyScope = "https://www.googleapis.com/auth/devstorage.read_only"
 
@@ -95,7 +95,7 @@ public enum GoogleCredentials {
 }
 
 /// A Firebase Auth user: signed in with email and password, or anonymously, through the
-/// Identity Toolkit; the ID token is renewed through the secure-token service (protocol.md §3.2).
+/// Identity Toolkit; the ID token is renewed through the secure-token service (docs/protocol.md §3.2).
 public enum FirebaseUserCredentials {
     public enum SignIn: Sendable {
         case password(email: String, password: String)

@@ -1,6 +1,6 @@
 import Foundation
 
-/// V4 signed URLs (GOOG4-RSA-SHA256) for `storage.googleapis.com`, protocol.md §5.8: what
+/// V4 signed URLs (GOOG4-RSA-SHA256) for `storage.googleapis.com`, docs/protocol.md §5.8: what
 /// `user.storefs.download_url` holds for a token-less object when a service-account key is at hand.
 public struct URLSigner: Sendable {
     public static let host = "storage.googleapis.com"

@@ -1,6 +1,6 @@
 import Foundation
 
-/// The Google and Firebase token endpoints (protocol.md §3.2, §5.7). `authEndpoint` replaces
+/// The Google and Firebase token endpoints (docs/protocol.md §3.2, §5.7). `authEndpoint` replaces
 /// the origin for emulators and tests: `{authEndpoint}/{production host}{path}`, the
 /// Auth-emulator convention.
 public struct TokenServices: Sendable {

@@ -1,6 +1,6 @@
 import Foundation
 
-/// The Firebase Storage v0 REST API (protocol.md §2): what the Firebase SDKs speak, checked by
+/// The Firebase Storage v0 REST API (docs/protocol.md §2): what the Firebase SDKs speak, checked by
 /// Security Rules. Listing items carry only names (`metadataComplete: false`), so sizes and
 /// times come from per-object metadata GETs. v0 reads may create a download token and bump
 /// `metageneration`; content identity is `generation` alone.

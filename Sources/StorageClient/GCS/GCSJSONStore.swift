@@ -1,6 +1,6 @@
 import Foundation
 
-/// The GCS JSON API (protocol.md §5): listing and metadata under `/storage/v1`, media under
+/// The GCS JSON API (docs/protocol.md §5): listing and metadata under `/storage/v1`, media under
 /// `/download/storage/v1` with `alt=media`, every read pinned to a generation.
 public final class GCSJSONStore: ObjectStore {
     public static let defaultEndpoint = "https://storage.googleapis.com"
