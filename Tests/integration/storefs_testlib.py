@@ -695,7 +695,7 @@ def visible_component(c: str) -> bool:
 
 
 def expected_tree(names, prefix: str = "") -> tuple[dict[str, set[str]], dict[str, str]]:
-    """The namespace design.md promises for `names` mounted at `prefix`.
+    """The namespace storefs promises (README, "Namespace semantics") for `names` mounted at `prefix`.
 
     Returns (dirs, files): dirs maps a relative directory path ("" is the root) to its entry
     names; files maps a relative file path to its object name. Directories shadow files;
@@ -731,14 +731,16 @@ def open_close(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> None:
 
 
 # ====================================================================== reading and checksums
-def read_whole(path: str) -> bytes:
-    """Whole file through a fresh descriptor, the kernel's page cache of it dropped first, so
-    the bytes really come from storefs (its block cache or the network)."""
+def read_whole(path: str, drop_page_cache: bool = True) -> bytes:
+    """Whole file through a fresh descriptor, the kernel's page cache of it dropped first
+    (unless told not to), so the bytes really come from storefs (its block cache or the
+    network). Bounded: at most 100,000 reads of 1 MiB."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if drop_page_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         chunks = []
-        while True:
+        for _ in range(100_000):
             b = os.read(fd, 1 << 20)
             if not b:
                 break

@@ -1,4 +1,4 @@
-"""The block cache and the prefetcher, through real mounts (design.md §2).
+"""The block cache and the prefetcher, through real mounts (docs/architecture.md, README "Block cache").
 
 Objects of their own live in a second bucket, `cache-bucket`, so that the corpus bucket's
 listing stays what the other modules expect; the 24 MiB corpus object is reused read-only.
@@ -24,6 +24,7 @@ import uuid
 import pytest
 
 from storefs_testlib import BUCKET, is_mounted
+from storefs_testlib import read_whole as read_file
 
 CB = "cache-bucket"
 KiB, MiB = 1 << 10, 1 << 20
@@ -59,24 +60,6 @@ def cdata(emulator) -> dict[str, bytes]:
 
 
 # ---------------------------------------------------------------------- helpers
-def read_file(path: str, drop_page_cache: bool = True) -> bytes:
-    """Whole file through a fresh descriptor. Drops the kernel's page cache for it first,
-    so that the bytes really come from storefs (its block cache or the network)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if drop_page_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks = []
-        while True:
-            b = os.read(fd, 1 * MiB)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def pread_ranges(path: str, ranges, *, random_access: bool = True) -> list[bytes]:
     fd = os.open(path, os.O_RDONLY)
     try:

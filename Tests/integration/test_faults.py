@@ -1,6 +1,6 @@
 """storefs against a misbehaving server: every fault of fault_proxy.FaultProxy, through real mounts.
 
-The contract (design.md §1 errors table, §2): a read returns exactly the stored bytes or fails
+The contract (README "Errors", docs/integrity.md, docs/security.md): a read returns exactly the stored bytes or fails
 with EIO, never wrong bytes; nothing waits longer than `request_timeout`; a server that stops
 answering leaves cached data, listings and attributes usable; interrupted and unmounted
 operations end promptly; bad listings are EIO, not a shorter list or an endless loop.
@@ -37,6 +37,7 @@ import pytest
 from fault_proxy import FaultProxy
 from gcs_emulator import quote_name
 from storefs_testlib import is_mounted, pid_alive, wait_pid_gone
+from storefs_testlib import read_whole as read_all
 
 FB = "faults-bucket"
 KiB, MiB = 1 << 10, 1 << 20
@@ -225,21 +226,6 @@ def release_all(proxy: FaultProxy, calls=(), procs=()) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
-
-
-def read_all(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks = []
-        for _ in range(100000):
-            b = os.read(fd, MiB)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def is_eio(call: Call) -> bool:

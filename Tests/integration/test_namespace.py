@@ -75,7 +75,7 @@ def test_listing_pages_with_max_results_at_most_1000(mount, proxy):
 
 
 def test_ls_l_makes_no_request_per_entry(mount, proxy):
-    """design.md §3: `ls -l` on a big directory is one listing pass (GCS protocol)."""
+    """`ls -l` on a big directory is one listing pass (GCS protocol)."""
     m = mount(endpoint=proxy.endpoint)
     names = os.listdir(m.p("dir1500"))
     sizes = {n: os.lstat(m.p("dir1500", n)).st_size for n in names}

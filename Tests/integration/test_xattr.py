@@ -1,4 +1,4 @@
-"""Extended attributes `user.storefs.*` (design.md §1, "Extended attributes")."""
+"""Extended attributes `user.storefs.*` (README, "Extended attributes")."""
 
 import ctypes
 import errno
