@@ -310,10 +310,14 @@ public final class Filesystem: Sendable {
         out.reserveCapacity(end - start)
         var paths: [ByteName] = []
         for i in start..<end where i >= 2 { paths.append(ByteName(Self.join(path, snapshot.names[i - 2]))) }
-        let known = table.withLock { t in paths.map { t.byPath[$0] } }
+        let parentPath = ByteName(path.slashComponents.dropLast().joined(separator: "/"))
+        let (known, parent) = table.withLock { t in (paths.map { t.byPath[$0] }, path.isEmpty ? inode : t.byPath[parentPath]) }
         for i in start..<end {
             if i < 2 {
-                out.append(DirectoryEntry(name: i == 0 ? "." : "..", inode: inode, kind: .directory, nextOffset: i + 1))
+                // `..` is the parent (the root's own parent is itself), as a directory's
+                // `..` should be for tools that compare inode numbers.
+                out.append(DirectoryEntry(name: i == 0 ? "." : "..", inode: i == 0 ? inode : parent ?? inode, kind: .directory,
+                                          nextOffset: i + 1))
                 continue
             }
             let name = snapshot.names[i - 2]

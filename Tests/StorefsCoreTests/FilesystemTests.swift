@@ -240,6 +240,7 @@ import StorageClient
         #expect(try fs.readDirectory(handles[0], from: 3001, limit: 10).map(\.name) == ["f02999"])
         #expect(try fs.readDirectory(handles[0], from: 3002, limit: 10).isEmpty)
         #expect(try fs.readDirectory(handles[0], from: 0, limit: 2).map(\.name) == [".", ".."])
+        #expect(try fs.readDirectory(handles[0], from: 0, limit: 2).map(\.inode) == [d.inode, Filesystem.rootInode])
         for h in handles { fs.release(h) }
     }
 
