@@ -321,9 +321,10 @@ public final class Filesystem: Sendable {
                 continue
             }
             let name = snapshot.names[i - 2]
-            let kind: FileAttributes.Kind = snapshot.listing[name: name] == .directory ? .directory : .file
+            let entry = snapshot.listing[name: name] ?? .directory
+            let kind: FileAttributes.Kind = entry == .directory ? .directory : .file
             let k = i - max(2, start)
-            out.append(DirectoryEntry(name: name, inode: known[k] ?? Self.syntheticInode(paths[k].string), kind: kind,
+            out.append(DirectoryEntry(name: name, inode: known[k] ?? Self.inodeNumber(paths[k].string, entry), kind: kind,
                                       nextOffset: i + 1))
         }
         return out
@@ -351,10 +352,18 @@ public final class Filesystem: Sendable {
         if case .file(let file)? = closed { reader.closeStream(file.stream) }
     }
 
-    /// readdir reports inodes of names that were never looked up; these stay clear of real ones.
-    static func syntheticInode(_ path: String) -> UInt64 {
+    /// The inode number of a path's entry: a hash of its bytes and, for a file, its generation
+    /// (a new generation is a new inode). readdir reports it for names not looked up yet and
+    /// a lookup then gives the same number, so `d_ino` equals `st_ino` (`find -inum`, `du`,
+    /// rsync). The top bit keeps it clear of the root (1); a collision takes the next free
+    /// number (`InodeTable.upsert`).
+    static func inodeNumber(_ path: String, _ entry: DirectoryListing.Entry) -> UInt64 {
         var h: UInt64 = 0xcbf2_9ce4_8422_2325
         for b in path.utf8 { h = (h ^ UInt64(b)) &* 0x100_0000_01b3 }
+        if case .file(let meta) = entry {
+            h ^= UInt64(bitPattern: meta.generation)
+            h = h &* 0x100_0000_01b3
+        }
         return h | (1 << 63)
     }
 

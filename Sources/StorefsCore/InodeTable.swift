@@ -20,7 +20,6 @@ struct InodeTable {
     /// Paths by their bytes (ByteName): two canonically equivalent names are two inodes.
     var byPath: [ByteName: UInt64] = [ByteName(""): Filesystem.rootInode]
     var lastOpenedGeneration: [UInt64: Int64] = [:]
-    private var next: UInt64 = 2
 
     mutating func upsert(path: String, entry: DirectoryListing.Entry, at time: Double, countLookup: Bool) -> (UInt64, Node) {
         let kind: Node.Kind
@@ -34,8 +33,10 @@ struct InodeTable {
             nodes[ino] = node
             return (ino, node)
         }
-        let ino = next
-        next += 1
+        // The number readdir already reported for this entry (Filesystem.inodeNumber); on the
+        // rare collision, the next free one.
+        var ino = Filesystem.inodeNumber(path, entry)
+        while nodes[ino] != nil || ino <= Filesystem.rootInode { ino = (ino &+ 1) | (1 << 63) }
         let node = Node(path: path, kind: kind, lookups: countLookup ? 1 : 0)
         nodes[ino] = node
         byPath[ByteName(path)] = ino

@@ -253,4 +253,20 @@ import StorageClient
         }
         #expect(fs.rememberedMissingCount <= Filesystem.maxNegatives)
     }
+
+    /// The inode number readdir reports for an entry is the one a lookup then gives, files and
+    /// directories alike (before: synthetic numbers for names not looked up yet).
+    @Test func readdirInodesAreTheInodesLookupsGive() throws {
+        for i in 0..<500 { store.put(String(format: "many/f%03d", i), [1], generation: Int64(7 + i)) }
+        store.put("many/sub/x", [1])
+        let fs = makeFS()
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "many")
+        let h = try fs.openDirectory(d.inode)
+        let listed = try fs.readDirectory(h, from: 2)
+        #expect(listed.count == 501)
+        for e in listed {
+            #expect(try fs.lookup(parent: d.inode, name: e.name).inode == e.inode, "\(e.name)")
+        }
+        fs.release(h)
+    }
 }

@@ -132,3 +132,16 @@ def test_source_firebase_url_mounts_subtree(mount, corpus):
     assert os.listdir(m.path) == ["deep"]
     with open(m.p("deep/file.txt"), "rb") as f:
         assert f.read() == corpus.data["implicit/deep/file.txt"]
+
+
+def test_readdir_inode_numbers_are_the_stat_inode_numbers(mount, corpus):
+    """d_ino from getdents equals st_ino from stat for every entry (find -inum, du and rsync
+    compare them), also for names not looked up before the listing."""
+    m = mount(BUCKET)
+    d = m.p("dir1500")
+    with os.scandir(d) as it:
+        listed = {e.name: e.inode() for e in it}
+    assert len(listed) == 1500
+    mismatched = [n for n, ino in listed.items() if os.stat(os.path.join(d, n)).st_ino != ino]
+    assert mismatched == [], f"{len(mismatched)} entries differ, e.g. {mismatched[:3]}"
+    assert os.stat(d).st_ino == os.stat(os.path.join(d, ".")).st_ino
