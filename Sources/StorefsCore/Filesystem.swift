@@ -227,9 +227,14 @@ public final class Filesystem: Sendable {
     /// object, as in listings.
     private func probe(_ objectName: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> DirectoryListing.Entry {
         let object = ProbeResult()
+        // The metadata GET may outlive this call (when it is interrupted); the caller's
+        // isCancelled reads a FUSE request that is freed once the caller replies, so the GET
+        // asks it only while this call is on, under a lock this call takes to leave.
+        let caller = CallerCancellation(isCancelled)
+        defer { caller.leave() }
         probePool.submit { [store] in
             do throws(StorageError) {
-                object.finish(.success(try store.metadata(of: objectName, isCancelled: isCancelled)))
+                object.finish(.success(try store.metadata(of: objectName, isCancelled: caller.check)))
             } catch {
                 object.finish(.failure(error))
             }
@@ -702,6 +707,31 @@ final class Awaited<Value>: @unchecked Sendable {
             }
         }
         return result
+    }
+}
+
+/// A caller's cancellation check, handed to work that may outlive the call: once the caller
+/// has left, the work is cancelled and the caller's check (which may read a FUSE request freed
+/// by the caller's reply) is never called again.
+final class CallerCancellation: @unchecked Sendable {
+    private let lock = NSLock()
+    private var left = false
+    private let isCancelled: (@Sendable () -> Bool)?
+
+    init(_ isCancelled: (@Sendable () -> Bool)?) { self.isCancelled = isCancelled }
+
+    var check: @Sendable () -> Bool {
+        { [self] in
+            lock.lock()
+            defer { lock.unlock() }
+            return left || (isCancelled?() ?? false)
+        }
+    }
+
+    func leave() {
+        lock.lock()
+        left = true
+        lock.unlock()
     }
 }
 

@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 import Glibc
 import Testing
 import StorageClient
@@ -268,5 +269,29 @@ import StorageClient
             #expect(try fs.lookup(parent: d.inode, name: e.name).inode == e.inode, "\(e.name)")
         }
         fs.release(h)
+    }
+
+    /// A lookup's cancellation check reads its FUSE request, which libfuse frees once the
+    /// lookup has replied: work the lookup started must never call it after the lookup returns
+    /// (CI caught a segfault there: the background metadata GET polled a freed request).
+    @Test func nothingCallsALookupsCancellationCheckAfterItReturns() throws {
+        store.put("slow", [1])
+        store.delayAll(1)
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
+        let start = Date()
+        let replied = Atomic<Bool>(false)
+        let callsAfterReply = Atomic<Int>(0)
+        // Only the lookup's own thread sees the interruption (as with a real request, whose
+        // flag after the reply is garbage): work left running keeps asking unless it was cut off.
+        let caller = pthread_self()
+        let check: @Sendable () -> Bool = {
+            if replied.load(ordering: .acquiring) { callsAfterReply.add(1, ordering: .relaxed) }
+            return pthread_equal(pthread_self(), caller) != 0 && Date().timeIntervalSince(start) > 0.1
+        }
+        #expect(throws: FilesystemError.self) { _ = try fs.lookup(parent: Filesystem.rootInode, name: "slow", network: .allowed(isCancelled: check)) }
+        replied.store(true, ordering: .releasing)
+        Thread.sleep(forTimeInterval: 1.5)  // the metadata GET would have polled it meanwhile
+        #expect(callsAfterReply.load(ordering: .relaxed) == 0)
     }
 }
