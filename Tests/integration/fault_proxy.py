@@ -395,11 +395,7 @@ class FaultProxy(LoopbackServer):
         super().stop()
         with self._lock:
             live = list(self._live)
-        for sock in live:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.shutdown_sockets(live)
         self.wait_idle(3.0)
 
     def cut(self) -> None:
@@ -712,12 +708,7 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
         except OSError:
             raise _Gone()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.owner.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
-                break
-            if self._client_gone(0):
-                raise _Gone()
+        self._hold(seconds)
         self._fin()
 
     def _f_whole_for_range(self) -> None:
@@ -820,13 +811,17 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
                 break
         self._fin()
 
-    def _f_delay(self, seconds: float = 3.0) -> None:
+    def _hold(self, seconds: float) -> None:
+        """Waits `seconds`, or until the proxy is released; ends early if the client left."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if self.owner.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
                 break
             if self._client_gone(0):
                 raise _Gone()
+
+    def _f_delay(self, seconds: float = 3.0) -> None:
+        self._hold(seconds)
         self._honest()
 
     # -------------------------------------------------------------- listing faults

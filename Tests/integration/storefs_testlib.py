@@ -178,6 +178,15 @@ class LoopbackServer:
             self._server.server_close()
             self._server = None
 
+    @staticmethod
+    def shutdown_sockets(socks) -> None:
+        """Drops client connections still being served (keep-alive ones outlive stop())."""
+        for sock in list(socks):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
 
 @dataclass
 class ProxyRequest:
@@ -243,11 +252,7 @@ class ForbiddingProxy(LoopbackServer):
         self.stop()
         with self._lock:
             live = list(self._live)
-        for sock in live:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.shutdown_sockets(live)
 
     def track(self, sock: socket.socket, alive: bool) -> None:
         with self._lock:
