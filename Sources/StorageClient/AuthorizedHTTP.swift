@@ -24,16 +24,17 @@ struct AuthorizedHTTP: Sendable {
         }
     }
 
-    private func headers(forceRefresh: Bool) throws(StorageError) -> [String] {
-        guard let auth = try credentials.authorization(forceRefresh: forceRefresh) else { return [] }
-        return ["Authorization: \(auth)"]
+    private func authorization(rejected: String?) throws(StorageError) -> (value: String?, headers: [String]) {
+        guard let auth = try credentials.authorization(rejected: rejected) else { return (nil, []) }
+        return (auth, ["Authorization: \(auth)"])
     }
 
     /// One authorised exchange (no retries), refreshing the credentials once after a 401.
     func exchange(_ what: String, _ send: ([String]) throws(StorageError) -> HTTPResponse) throws(StorageError) -> HTTPResponse {
-        var response = try send(try headers(forceRefresh: false))
-        if response.status == 401 && credentials.sendsSecrets {
-            response = try send(try headers(forceRefresh: true))
+        let first = try authorization(rejected: nil)
+        var response = try send(first.headers)
+        if response.status == 401 && credentials.sendsSecrets, let used = first.value {
+            response = try send(try authorization(rejected: used).headers)
         }
         guard (200..<300).contains(response.status) else {
             var error = StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")

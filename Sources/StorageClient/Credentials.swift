@@ -3,8 +3,10 @@ import Synchronization
 
 /// Supplies the `Authorization` header for requests. Implementations never log what they return.
 public protocol Credentials: Sendable {
-    /// The header value (`Bearer …`), or nil to send none. `forceRefresh` is set after a 401.
-    func authorization(forceRefresh: Bool) throws(StorageError) -> String?
+    /// The header value (`Bearer …`), or nil to send none. After a 401, `rejected` is the value
+    /// that request carried: credentials renew it unless someone else already did (concurrent
+    /// requests that fail with the same token cause one refresh, not one each).
+    func authorization(rejected: String?) throws(StorageError) -> String?
     /// Whether a request may be sent with them over plain http (loopback only, docs/protocol.md §2.1).
     var sendsSecrets: Bool { get }
 }
@@ -12,7 +14,7 @@ public protocol Credentials: Sendable {
 /// No credentials: public buckets and emulators.
 public struct AnonymousCredentials: Credentials {
     public init() {}
-    public func authorization(forceRefresh: Bool) throws(StorageError) -> String? { nil }
+    public func authorization(rejected: String?) throws(StorageError) -> String? { nil }
     public var sendsSecrets: Bool { false }
 }
 
@@ -27,18 +29,18 @@ public final class TokenFileCredentials: Credentials {
     public init(path: String, scheme: String = "Bearer") throws(StorageError) {
         self.path = path
         self.scheme = scheme
-        _ = try authorization(forceRefresh: true)
+        _ = try authorization(rejected: "")
     }
 
     public var sendsSecrets: Bool { true }
 
-    public func authorization(forceRefresh: Bool) throws(StorageError) -> String? {
+    public func authorization(rejected: String?) throws(StorageError) -> String? {
         var st = stat()
         guard stat(path, &st) == 0 else {
             throw StorageError(.unauthenticated, "token_file \(path): \(String(cString: strerror(errno)))")
         }
         let current: String? = cache.withLock { c in
-            guard let c, !forceRefresh, c.mtime.tv_sec == st.st_mtim.tv_sec, c.mtime.tv_nsec == st.st_mtim.tv_nsec,
+            guard let c, rejected == nil || "\(scheme) \(c.token)" != rejected, c.mtime.tv_sec == st.st_mtim.tv_sec, c.mtime.tv_nsec == st.st_mtim.tv_nsec,
                   c.size == st.st_size else { return nil }
             return c.token
         }

@@ -158,7 +158,7 @@ import Testing
 
     @Test func refusesSecretsOverPlainHTTPToRemoteHosts() throws {
         struct Secret: Credentials {
-            func authorization(forceRefresh: Bool) throws(StorageError) -> String? { "Bearer x" }
+            func authorization(rejected: String?) throws(StorageError) -> String? { "Bearer x" }
             var sendsSecrets: Bool { true }
         }
         let http = HTTPClient(userAgent: "test")

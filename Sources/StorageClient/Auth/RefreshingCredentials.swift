@@ -41,16 +41,19 @@ public final class RefreshingCredentials: Credentials {
 
     public var sendsSecrets: Bool { true }
 
-    public func authorization(forceRefresh: Bool) throws(StorageError) -> String? {
+    public func authorization(rejected: String?) throws(StorageError) -> String? {
         let seen = current.withLock { $0 }
-        if !forceRefresh, let seen, seen.expiresAt - wallClock() > Self.refreshMargin {
+        if let seen, seen.expiresAt - wallClock() > Self.refreshMargin,
+           rejected == nil || "\(scheme) \(seen.value)" != rejected {
             return "\(scheme) \(seen.value)"
         }
         refreshing.lock()
         defer { refreshing.unlock() }
-        // Someone else may have refreshed while we waited for the lock.
+        // Someone else may have refreshed while we waited for the lock: a token that is not the
+        // one rejected (or not the stale one we saw) is fresh enough.
         let now = current.withLock { $0 }
-        if let now, now.value != seen?.value, now.expiresAt - wallClock() > Self.refreshMargin {
+        if let now, now.expiresAt - wallClock() > Self.refreshMargin,
+           "\(scheme) \(now.value)" != (rejected ?? seen.map { "\(scheme) \($0.value)" }) {
             return "\(scheme) \(now.value)"
         }
         let fresh = try fetch(now)
