@@ -207,8 +207,11 @@ func makeOperations() -> fuse_lowlevel_ops {
                         param.attr_timeout = fs.config.statTTL
                         param.entry_timeout = fs.config.statTTL
                     } else {
+                        // `.`, `..`, or a name whose size needs a request (v0): the name alone.
+                        // ino 0 = no attributes, no kernel reference; it looks the name up
+                        // if it needs more (a `find` never does).
                         param.attr.st_ino = __ino_t(e.inode)
-                        param.attr.st_mode = S_IFDIR
+                        param.attr.st_mode = e.kind == .directory ? S_IFDIR : S_IFREG
                     }
                     _ = fuse_add_direntry_plus(req, out.baseAddress! + at, size - at, e.name, &param, off_t(e.nextOffset))
                 }

@@ -48,6 +48,8 @@ public struct MountOptions: Sendable, Equatable {
     public var statTTL: Double = 60
     public var listTTL: Double = 60
     public var negativeTTL: Double = 5
+    /// Records of names kept beyond the kernel's references (docs/architecture.md, "Metadata memory").
+    public var metadataCacheSize = 262_144
     public var uid: UInt32?
     public var gid: UInt32?
     public var fileMode: UInt32 = 0o444
@@ -112,6 +114,8 @@ public struct MountOptions: Sendable, Equatable {
           -o stat_ttl=S      seconds object attributes are trusted (default 60)
           -o list_ttl=S      seconds directory listings are trusted (default 60)
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
+          -o metadata_cache_size=N  names remembered beyond what the kernel holds: listing entries
+                             and looked-up paths, each at most N, ~100 bytes a name (default 262144)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
           -o file_mode=OCTAL mode of files (default 0444); dir_mode=OCTAL for directories (default 0555);
                              permission bits only (no setuid, setgid or sticky bit)
@@ -208,6 +212,8 @@ public struct MountOptions: Sendable, Equatable {
             case "stat_ttl": o.statTTL = try seconds(key, value)
             case "list_ttl": o.listTTL = try seconds(key, value)
             case "negative_ttl": o.negativeTTL = try seconds(key, value)
+            case "metadata_cache_size":
+                o.metadataCacheSize = try integer(key, value, 1024...100_000_000, "a whole number of names from 1024 to 100000000")
             case "uid": o.uid = try id(key, value)
             case "gid": o.gid = try id(key, value)
             case "file_mode": o.fileMode = try mode(key, value)

@@ -120,8 +120,7 @@ enum StorefsMain {
         let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
                                        fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls,
-                                       // v0 listings cost a metadata GET per file: list ahead on GCS only.
-                                       listingPrefetch: o.storageProtocol == .gcs ? o.listAhead : 0)
+                                       listingPrefetch: o.listAhead, metadataCacheSize: o.metadataCacheSize)
         guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
                                                                           bucket: o.source.bucket, prefix: o.source.prefix) else {
             return fail("no home directory to keep the block cache in: give one with -o cache_dir=DIR")

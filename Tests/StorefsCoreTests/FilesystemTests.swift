@@ -245,14 +245,16 @@ import StorageClient
         for h in handles { fs.release(h) }
     }
 
-    /// Any local user can look up names that do not exist: what is remembered of them stays bounded.
+    /// Any local user can look up names that do not exist: what is remembered of them stays
+    /// bounded by metadata_cache_size.
     @Test func theNegativeCacheIsBounded() throws {
         let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
-                            config: .init(statTTL: 60, listTTL: 0, negativeTTL: 600))
-        for i in 0..<(Filesystem.maxNegatives + 500) {
+                            config: .init(statTTL: 60, listTTL: 0, negativeTTL: 600, metadataCacheSize: 2048))
+        for i in 0..<(2048 + 500) {
             #expect(throws: FilesystemError.self) { try fs.lookup(parent: Filesystem.rootInode, name: "missing\(i)") }
         }
-        #expect(fs.rememberedMissingCount <= Filesystem.maxNegatives)
+        #expect(fs.rememberedPathCount <= 2048)
+        #expect(fs.rememberedPathCount > 1024, "eviction drops the oldest eighth, not everything")
     }
 
     /// The inode number readdir reports for an entry is the one a lookup then gives, files and

@@ -9,18 +9,41 @@ import StorageClient
 public struct DirectoryListing: Sendable {
     public enum Entry: Sendable, Equatable {
         case directory
-        case file(ObjectMetadata)
+        case file(FileRecord)
+        /// A file whose listing gave only its name (Firebase v0, docs/protocol.md §2.4): its
+        /// size comes from a metadata GET when something asks (`stat`, a lookup).
+        case unsizedFile
     }
 
-    /// Keyed by the entry's bytes (ByteName): canonically equivalent names are two entries.
-    public private(set) var entries: [ByteName: Entry] = [:]
+    /// Entry names in byte order (stable readdir offsets), and their entries at the same
+    /// positions: two arrays, no per-entry dictionary node (docs/architecture.md, "Metadata
+    /// memory"). Names are found by binary search on their bytes.
+    public let names: [String]
+    public let entries: [Entry]
     /// Files hidden because a directory of the same name exists (logged once by the caller).
     public private(set) var shadowedFiles: [String] = []
 
-    public init() {}
+    public init() {
+        names = []
+        entries = []
+    }
+
+    public var count: Int { names.count }
 
     /// The entry called `name` (compared as bytes).
-    public subscript(name name: String) -> Entry? { entries[ByteName(name)] }
+    public subscript(name name: String) -> Entry? {
+        index(of: name).map { entries[$0] }
+    }
+
+    /// The position of `name` in `names`, by binary search on bytes.
+    public func index(of name: String) -> Int? {
+        var lo = 0, hi = names.count
+        while lo < hi {
+            let mid = (lo + hi) / 2
+            if names[mid].utf8.lexicographicallyPrecedes(name.utf8) { lo = mid + 1 } else { hi = mid }
+        }
+        return lo < names.count && names[lo].utf8.elementsEqual(name.utf8) ? lo : nil
+    }
 
     /// Whether `name` can appear as a path component exactly as stored.
     public static func isRepresentable(_ name: String) -> Bool {
@@ -28,10 +51,11 @@ public struct DirectoryListing: Sendable {
         return !b.isEmpty && !b.elementsEqual(".".utf8) && !b.elementsEqual("..".utf8) && b.count <= 255 && !b.contains(0)
     }
 
-    /// Builds the listing of `prefix` (`""` or ending in `/`) from all its pages.
+    /// Builds the listing of `prefix` (`""` or ending in `/`) from all its pages. Items of
+    /// pages that carry names only (`metadataComplete == false`) are `.unsizedFile`.
     public init(prefix: String, pages: [ListPage]) {
         var dirs = Set<ByteName>()
-        var files: [ByteName: ObjectMetadata] = [:]
+        var files: [ByteName: Entry] = [:]
         let skip = prefix.utf8.count
         for page in pages {
             for p in page.prefixes where p.hasBytePrefix(prefix) && p.endsWithSlash && p.utf8.count > skip {
@@ -50,18 +74,22 @@ public struct DirectoryListing: Sendable {
                     }
                     continue
                 }
-                if Self.isRepresentable(rel) { files[ByteName(rel)] = item }
+                if Self.isRepresentable(rel) { files[ByteName(rel)] = page.metadataComplete ? .file(FileRecord(item)) : .unsizedFile }
             }
         }
-        for d in dirs { entries[d] = .directory }
-        for (name, meta) in files {
-            if dirs.contains(name) { shadowedFiles.append(name.string) } else { entries[name] = .file(meta) }
+        var all: [(ByteName, Entry)] = []
+        all.reserveCapacity(dirs.count + files.count)
+        for d in dirs { all.append((d, .directory)) }
+        var shadowed: [String] = []
+        for (name, entry) in files {
+            if dirs.contains(name) { shadowed.append(name.string) } else { all.append((name, entry)) }
         }
-        shadowedFiles.sort { ByteName($0) < ByteName($1) }
+        all.sort { $0.0 < $1.0 }
+        names = all.map(\.0.string)
+        entries = all.map(\.1)
+        shadowedFiles = shadowed.sorted { ByteName($0) < ByteName($1) }
     }
 
-    /// Entry names in byte order (stable readdir offsets).
-    public var sortedNames: [String] {
-        entries.keys.sorted().map(\.string)
-    }
+    /// Entry names in byte order.
+    public var sortedNames: [String] { names }
 }

@@ -1,0 +1,250 @@
+import StorageClient
+
+/// Directories: listings (fetched once, shared by every handle, cached for `list_ttl`),
+/// readdir, readdirplus, listing ahead, and the sizes Firebase v0 listings leave out.
+extension Filesystem {
+    /// Lists a directory (from cache when fresh) and pins its snapshot for readdir offsets. The
+    /// snapshot is shared with the listing cache and other handles: a handle costs a
+    /// reference, not a copy of the directory (a local user may open many).
+    public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
+        let path = try directoryPath(inode)
+        let snapshot = try fullListing(path, network: network)
+        prefetchListings(under: path, snapshot.listing)
+        return handles.withLock { $0.add(.directory(path: path, inode: inode, snapshot: snapshot)) }
+    }
+
+    /// At most `limit` entries of an open directory from `offset` on (offsets are positions in
+    /// the snapshot, `.` and `..` first). Work is proportional to the entries returned.
+    public func readDirectory(_ handle: UInt64, from offset: Int, limit: Int = Int.max) throws(FilesystemError) -> [DirectoryEntry] {
+        let (path, inode, snapshot) = try directorySnapshot(handle)
+        let names = snapshot.listing.names
+        let start = max(0, offset)
+        guard start < names.count + 2 else { return [] }
+        let end = start + min(names.count + 2 - start, max(0, limit))
+        guard start < end else { return [] }
+        var out: [DirectoryEntry] = []
+        out.reserveCapacity(end - start)
+        var paths: [ByteName] = []
+        for i in start..<end where i >= 2 { paths.append(ByteName(Self.join(path, names[i - 2]))) }
+        let parentPath = ByteName(Self.split(path).parent)
+        let (known, parent) = table.withLock { t in (paths.map { t.byPath[$0] }, path.isEmpty ? inode : t.byPath[parentPath]) }
+        for i in start..<end {
+            if i < 2 {
+                // `..` is the parent (the root's own parent is itself), as a directory's
+                // `..` should be for tools that compare inode numbers.
+                out.append(DirectoryEntry(name: i == 0 ? "." : "..", inode: i == 0 ? inode : parent ?? inode, kind: .directory,
+                                          nextOffset: i + 1))
+                continue
+            }
+            let entry = snapshot.listing.entries[i - 2]
+            let kind: FileAttributes.Kind = entry == .directory ? .directory : .file
+            let k = i - max(2, start)
+            out.append(DirectoryEntry(name: names[i - 2], inode: known[k] ?? Self.inodeNumber(paths[k].string), kind: kind,
+                                      nextOffset: i + 1))
+        }
+        return out
+    }
+
+    /// readdirplus: the attributes of entry `offset` of an open directory, counted as a lookup
+    /// (the kernel then needs no LOOKUP per name: `ls -l` costs the one listing). nil for
+    /// `.`/`..` and for entries whose size is not known without a request (v0 listings): the
+    /// kernel gets the name alone and looks it up if it needs more, so no reference is made
+    /// that nobody asked for.
+    public func lookupListed(_ handle: UInt64, at offset: Int) throws(FilesystemError) -> FileAttributes? {
+        let (path, _, snapshot) = try directorySnapshot(handle)
+        guard offset >= 2, offset - 2 < snapshot.listing.count else { return nil }
+        let name = snapshot.listing.names[offset - 2]
+        let childPath = Self.join(path, name)
+        switch snapshot.listing.entries[offset - 2] {
+        case .directory: return register(path: childPath, kind: .directory, fetched: snapshot.fetched, countLookup: true)
+        case .file(let r): return register(path: childPath, kind: .file(r), fetched: snapshot.fetched, countLookup: true)
+        case .unsizedFile:
+            let t = now()
+            guard case .file(let r)? = known.withLock({ $0.lookup(ByteName(childPath), now: t, ttl: config.statTTL)?.known }) else {
+                return nil
+            }
+            return register(path: childPath, kind: .file(r), fetched: t, countLookup: true)
+        }
+    }
+
+    func directorySnapshot(_ handle: UInt64) throws(FilesystemError) -> (String, UInt64, ListingSnapshot) {
+        guard case .directory(let path, let inode, let snapshot)? = handles.withLock({ $0.open[handle] }) else {
+            throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
+        }
+        return (path, inode, snapshot)
+    }
+
+    /// The last listing of a directory, however old (for outages), and when it was fetched.
+    func staleListing(_ dirPath: String) -> (DirectoryListing, Double)? {
+        listings.withLock { $0.last(ByteName(dirPath)) }.map { ($0.listing, $0.fetched) }
+    }
+
+    func freshSnapshot(_ dirPath: String) -> ListingSnapshot? {
+        guard let s = listings.withLock({ $0.last(ByteName(dirPath)) }), now() - s.fetched < config.listTTL else { return nil }
+        return s
+    }
+
+    func freshListing(_ dirPath: String) -> (DirectoryListing, Double)? {
+        freshSnapshot(dirPath).map { ($0.listing, $0.fetched) }
+    }
+
+    /// Cached listings and the entries they hold (tests).
+    var cachedListingCounts: (listings: Int, entries: Int) { listings.withLock { ($0.count, $0.entryCount) } }
+
+    /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
+    func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> ListingSnapshot {
+        if let l = freshSnapshot(dirPath) { return l }
+        if let outage = health.outage {
+            guard let old = listings.withLock({ $0.last(ByteName(dirPath)) }) else { throw FilesystemError(outage) }
+            return old
+        }
+        guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
+        // One listing of a directory at a time: later askers wait for the one under way.
+        let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
+            if let running = f[ByteName(dirPath)] { return (running, false) }
+            let created = ListingFlight()
+            f[ByteName(dirPath)] = created
+            return (created, true)
+        }
+        if !mine {
+            guard let shared = flight.wait(isCancelled: isCancelled) else {
+                throw FilesystemError(.storage(.cancelled), "listing of \(dirPath) interrupted")
+            }
+            return try shared.get()
+        }
+        let result: Result<ListingSnapshot, FilesystemError>
+        do throws(FilesystemError) { result = .success(try fetchListing(dirPath, isCancelled: isCancelled)) } catch { result = .failure(error) }
+        listingFlights.withLock { _ = $0.removeValue(forKey: ByteName(dirPath)) }
+        flight.finish(result)
+        return try result.get()
+    }
+
+    /// After a directory is opened, its sub-directories are listed ahead on a few threads of
+    /// their own, so `find` and `ls -R` find the next listing ready (one level ahead of the
+    /// walker, at most `listingPrefetch` directories).
+    func prefetchListings(under dirPath: String, _ listing: DirectoryListing) {
+        guard config.listingPrefetch > 0, config.listTTL > 0 else { return }
+        var queued = 0
+        for (i, name) in listing.names.enumerated() where listing.entries[i] == .directory {
+            if queued == config.listingPrefetch { break }
+            let child = Self.join(dirPath, name)
+            if freshSnapshot(child) != nil || listingFlights.withLock({ $0[ByteName(child)] != nil }) { continue }
+            queued += 1
+            listingPool.submit { [self] in _ = try? self.fullListing(child, network: .allowed) }
+        }
+    }
+
+    var listingPool: WorkerPool {
+        listingPoolSlot.withLock { p in
+            if p == nil { p = WorkerPool(threads: 4, name: "storefs-list") }
+            return p!
+        }
+    }
+
+    /// All pages of a directory. `isCancelled` is the caller's: an interrupted `ls` ends the
+    /// listing (others waiting on it then get the interruption too and ask again).
+    func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> ListingSnapshot {
+        let prefix = listingPrefix(of: dirPath)
+        let started = now()
+        var pages: [ListPage] = []
+        var token: String? = nil
+        var seenTokens = Set<String>()
+        var entries = 0
+        do throws(StorageError) {
+            repeat {
+                let page = try store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
+                pages.append(page)
+                entries += page.items.count + page.prefixes.count
+                token = page.nextPageToken
+                // A hostile or broken server must not hold `ls` forever, nor fill memory.
+                if let t = token, !seenTokens.insert(t).inserted {
+                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): the server repeated a page token (the listing loops)")
+                }
+                if entries > Self.maxListingEntries {
+                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): more than \(Self.maxListingEntries) entries in one directory")
+                }
+            } while token != nil
+            health.noteSuccess()
+        } catch {
+            health.note(error)
+            if Self.isOutage(error.code), let old = listings.withLock({ $0.last(ByteName(dirPath)) }) {
+                Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
+                return old
+            }
+            Log.warn("op=readdir prefix=\(prefix) error=\(error.message)")
+            throw FilesystemError(error)
+        }
+        let listing = DirectoryListing(prefix: prefix, pages: pages)
+        pages = []
+        let snapshot = ListingSnapshot(listing, fetched: started)
+        for name in listing.shadowedFiles {
+            let full = Self.join(dirPath, name)
+            if shadowLogged.withLock({ $0.count < 65_536 && $0.insert(ByteName(full)).inserted }) {
+                Log.info("object \(objectName(of: full)) is hidden by the directory of the same name")
+            }
+        }
+        if config.listTTL > 0 { listings.withLock { $0.store(ByteName(dirPath), snapshot) } }
+        return snapshot
+    }
+
+    /// The size of a listed file whose listing gave only its name (Firebase v0): from the path
+    /// cache, else a metadata GET — with the next few unsized names of the same listing beside
+    /// it, in parallel, since `ls -l` asks for them next (docs/protocol.md §2.4: a v0 listing
+    /// costs one request per 1,000 names; sizes cost a GET each, only when asked for).
+    func sized(_ path: String, in listing: DirectoryListing, at index: Int, parentPath: String,
+               network: Network) throws(FilesystemError) -> (Node.Kind, Double) {
+        let t = now()
+        let key = ByteName(path)
+        if let r = known.withLock({ $0.lookup(key, now: t, ttl: config.statTTL) }) {
+            switch r.known {
+            case .file(let record): return (.file(record), r.fetched)
+            case .directory: return (.directory, r.fetched)
+            case .missing: break
+            }
+        }
+        if let node = table.withLock({ tb in tb.byPath[key].flatMap { tb.nodes[$0] } }), t - node.fetched < config.statTTL {
+            return (node.kind, node.fetched)
+        }
+        if let outage = health.outage {
+            if case .success(let answer)? = lastKnown(path, parentPath: parentPath, name: listing.names[index]) { return answer }
+            throw FilesystemError(outage)
+        }
+        guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "size of \(path) needs the bucket") }
+        var batch = [index]
+        var i = index + 1
+        while batch.count < max(1, config.metadataParallelism), i < listing.count {
+            if listing.entries[i] == .unsizedFile {
+                let p = ByteName(Self.join(parentPath, listing.names[i]))
+                if known.withLock({ $0.lookup(p, now: t, ttl: config.statTTL) }) == nil { batch.append(i) }
+            }
+            i += 1
+        }
+        let names = batch.map { objectName(of: Self.join(parentPath, listing.names[$0])) }
+        let results = ParallelMap.run(names, width: config.metadataParallelism) { name -> Result<ObjectMetadata, StorageError> in
+            do throws(StorageError) { return .success(try self.store.metadata(of: name, isCancelled: isCancelled)) } catch { return .failure(error) }
+        }
+        let fetched = now()
+        for (k, result) in results.enumerated() where k > 0 {
+            if case .success(let meta) = result {
+                known.withLock { $0.remember(ByteName(Self.join(parentPath, listing.names[batch[k]])), .file(FileRecord(meta)), at: fetched) }
+            }
+        }
+        switch results[0] {
+        case .success(let meta):
+            health.noteSuccess()
+            fullMetadata.withLock { $0.remember(key, meta, at: fetched) }
+            return (.file(FileRecord(meta)), fetched)
+        case .failure(let error):
+            health.note(error)
+            if error.code == .notFound {
+                if config.negativeTTL > 0 { known.withLock { $0.remember(key, .missing, at: fetched) } }
+                throw FilesystemError(.noEntry, "no \(path) (it vanished after the listing)")
+            }
+            Log.warn("op=lookup path=\(path) error=\(error.message)")
+            throw FilesystemError(error)
+        }
+    }
+}
+
+/// A directory listing under way, which later askers wait for.
+typealias ListingFlight = Awaited<Result<ListingSnapshot, FilesystemError>>

@@ -1,0 +1,124 @@
+import Glibc
+import StorageClient
+
+/// Files: open (pinning a generation), read through the block reader, release.
+extension Filesystem {
+    public struct OpenResult: Sendable {
+        public var handle: UInt64
+        /// The kernel may keep its page cache: the generation is the one it cached last time.
+        public var keepCache: Bool
+    }
+
+    /// Opens a file for reading; any write intent is EROFS. The generation is pinned here.
+    public func open(_ inode: UInt64, flags: Int32, network: Network = .allowed) throws(FilesystemError) -> OpenResult {
+        if flags & O_ACCMODE != O_RDONLY || flags & O_TRUNC != 0 || flags & O_CREAT != 0 {
+            throw FilesystemError(.readOnly, "storefs is read-only")
+        }
+        _ = try attributes(of: inode, network: network)  // refreshes stale metadata
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        guard case .file(let record) = node.kind else { throw FilesystemError(.isDirectory, "\(node.path) is a directory") }
+        // An inode whose object was replaced or deleted opens nothing: ESTALE makes the kernel
+        // look the name up again (LOOKUP_REVAL) and open what the bucket holds now, within
+        // this same open(2) (README, "Namespace semantics": overwrites).
+        guard table.withLock({ $0.isCurrent(inode) }) else {
+            throw FilesystemError(.storage(.generationChanged), "\(node.path): the object was replaced or deleted")
+        }
+        let meta = record.objectMetadata(name: objectName(of: node.path), bucket: reference.bucket)
+        let keep = table.withLock { t in
+            let previous = t.lastOpenedGeneration[inode]
+            t.lastOpenedGeneration[inode] = meta.generation
+            return previous == meta.generation
+        }
+        let stream = reader.openStream(meta)
+        let handle = handles.withLock { $0.add(.file(OpenFile(path: node.path, meta: meta, stream: stream))) }
+        // Pages of an object that once served wrong bytes are not kept (docs/integrity.md).
+        return OpenResult(handle: handle, keepCache: keep && !stream.everServedWrong)
+    }
+
+    /// Serves a read only if every byte is in the block cache (no network): for the FUSE thread.
+    /// nil means "call `read` from a worker"; `read` then knows the read was already noted.
+    public func readCached(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer) throws(FilesystemError) -> Int? {
+        let file = try openFile(handle)
+        guard let window = try clamp(file.meta, offset, buffer) else { return 0 }
+        return reader.readCached(file.stream, at: offset, into: window) ? window.count : nil
+    }
+
+    func openFile(_ handle: UInt64) throws(FilesystemError) -> OpenFile {
+        guard case .file(let file)? = handles.withLock({ $0.open[handle] }) else {
+            throw FilesystemError(.staleHandle, "unknown file handle \(handle)")
+        }
+        return file
+    }
+
+    /// The part of `buffer` that the object has bytes for at `offset`; nil at or past the end.
+    func clamp(_ meta: ObjectMetadata, _ offset: Int64, _ buffer: UnsafeMutableRawBufferPointer) throws(FilesystemError) -> UnsafeMutableRawBufferPointer? {
+        guard offset >= 0 else { throw FilesystemError(.invalidArgument, "negative offset") }
+        guard offset < meta.size, buffer.count > 0 else { return nil }
+        let count = Int(min(Int64(buffer.count), meta.size - offset))
+        return UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])
+    }
+
+    /// Reads up to `buffer.count` bytes at `offset` of an open file into `buffer`; returns the
+    /// count (0 at or past the end). Blocks on the network on a miss: call from a worker.
+    /// `afterReply`, when given, collects work (the cache copy of a download) that the caller
+    /// runs once it has replied, on the same thread: no hand-off in front of the reply or after it.
+    public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                     alreadyNoted: Bool = false, isCancelled: (@Sendable () -> Bool)? = nil,
+                     afterReply: AfterReply? = nil) throws(FilesystemError) -> Int {
+        let file = try openFile(handle)
+        let meta = file.meta
+        guard let window = try clamp(meta, offset, buffer) else { return 0 }
+        do throws(StorageError) {
+            try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled,
+                            afterReply: afterReply)
+        } catch {
+            if error.code == .generationChanged || error.code == .notFound {
+                // The object was replaced or deleted: this handle keeps failing (it never mixes
+                // generations), but the next open and stat must see what the bucket holds now.
+                // (forgetPath expires its inode: the next open refreshes it, finds it
+                // replaced or gone, and answers ESTALE or ENOENT.)
+                forgetPath(file.path)
+            }
+            if error.code == .cancelled {
+                Log.debug("op=read object=\(meta.name) offset=\(offset) interrupted")
+            } else {
+                Log.warn("op=read object=\(meta.name) gen=\(meta.generation) offset=\(offset) error=\(error.message)")
+            }
+            throw FilesystemError(error)
+        }
+        return window.count
+    }
+
+
+    public func release(_ handle: UInt64) {
+        let closed = handles.withLock { $0.open.removeValue(forKey: handle) }
+        if case .file(let file)? = closed { reader.closeStream(file.stream) }
+    }
+}
+
+struct OpenFile {
+    /// The mount-relative path it was opened at (to forget it if its object is replaced).
+    var path: String
+    var meta: ObjectMetadata
+    var stream: BlockReader.Stream
+}
+
+/// Open files and directories by handle number.
+struct Handles {
+    enum Open {
+        case file(OpenFile)
+        case directory(path: String, inode: UInt64, snapshot: ListingSnapshot)
+    }
+
+    var open: [UInt64: Open] = [:]
+    var next: UInt64 = 1
+
+    mutating func add(_ o: Open) -> UInt64 {
+        let h = next
+        next += 1
+        open[h] = o
+        return h
+    }
+}

@@ -1,0 +1,382 @@
+import Foundation
+import Glibc
+import StorageClient
+import Synchronization
+
+/// The storefs namespace and read path, with no FUSE and no HTTP in sight.
+///
+/// The FUSE adapter calls these methods with inode and handle numbers and turns the answers
+/// (or `FilesystemError`s, through `Errno`) into replies. Paths here are relative to the mount
+/// root; `objectName(of:)` adds the mounted prefix. The state is split along what it owns,
+/// one `Mutex` each, every one bounded (docs/architecture.md, "Metadata memory"):
+///
+/// - `InodeTable` (this file): the inodes the kernel references, ~100 bytes each;
+/// - `MetadataCache` (this file): what the bucket said about paths the kernel forgot, and
+///   missing names, bounded by `metadata_cache_size`;
+/// - `ListingCache` (Filesystem+Directories.swift): directory listings, bounded in entries;
+/// - `Handles` (Filesystem+Files.swift): open files and directories;
+/// - `FullMetadataCache` (Filesystem+ExtendedAttributes.swift): whole object resources.
+///
+/// Metadata flow: `readdir` lists a directory once (all pages) and caches it for `list_ttl`;
+/// `lookup` answers from that listing when it is fresh, from the inode table or the path
+/// cache within `stat_ttl`, and otherwise probes the name directly (the "is it a directory?"
+/// list request and the metadata GET side by side — directories win).
+public final class Filesystem: Sendable {
+    public struct Config: Sendable {
+        public var statTTL: Double
+        public var listTTL: Double
+        public var negativeTTL: Double
+        public var uid: UInt32
+        public var gid: UInt32
+        public var fileMode: UInt32
+        public var dirMode: UInt32
+        public var downloadURL: DownloadURL
+        /// Metadata GETs in flight at once when sizes are missing (Firebase v0 listings).
+        public var metadataParallelism: Int
+        /// Sub-directories listed ahead when a directory is opened (0: none).
+        public var listingPrefetch: Int
+        /// Records of names kept beyond what the kernel references: listing entries, and
+        /// looked-up paths (each at most this many). `metadata_cache_size=`.
+        public var metadataCacheSize: Int
+
+        public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
+                    gid: UInt32 = getgid(), fileMode: UInt32 = 0o444, dirMode: UInt32 = 0o555,
+                    downloadURL: DownloadURL = DownloadURL(ownerUID: getuid()), metadataParallelism: Int = 16,
+                    listingPrefetch: Int = 0, metadataCacheSize: Int = Filesystem.defaultMetadataCacheSize) {
+            self.downloadURL = downloadURL
+            self.listingPrefetch = listingPrefetch
+            self.metadataParallelism = metadataParallelism
+            self.metadataCacheSize = metadataCacheSize
+            self.statTTL = statTTL
+            self.listTTL = listTTL
+            self.negativeTTL = negativeTTL
+            self.uid = uid
+            self.gid = gid
+            self.fileMode = fileMode
+            self.dirMode = dirMode
+        }
+    }
+
+    public static let rootInode: UInt64 = 1
+    /// Default `metadata_cache_size` (docs/architecture.md, "Metadata memory").
+    public static let defaultMetadataCacheSize = 262_144
+    /// Entries one directory listing may have (docs/security.md): past it the listing is EIO.
+    static let maxListingEntries = 5_000_000
+
+    public let config: Config
+    public let reference: StorageReference
+    let store: ObjectStore
+    let reader: BlockReader
+    /// Shared with the read path: an outage found by either is known to both.
+    var health: BucketHealth { reader.health }
+    let mountTime: Timestamp
+
+    let table = Mutex(InodeTable())
+    // Tables keyed by paths use ByteName: names are compared as bytes, never as Unicode.
+    let known: Mutex<MetadataCache>
+    let listings: Mutex<ListingCache>
+    let fullMetadata = Mutex(FullMetadataCache(capacity: 4096))
+    let handles = Mutex(Handles())
+    let shadowLogged = Mutex(Set<ByteName>())
+    let listingFlights = Mutex([ByteName: ListingFlight]())
+    let listingPoolSlot = Mutex<WorkerPool?>(nil)
+    let probePoolSlot = Mutex<WorkerPool?>(nil)
+
+    /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
+    public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil) {
+        self.store = store
+        self.reference = reference
+        self.config = config
+        self.reader = reader ?? BlockReader(store: store, cache: nil, endpoint: "", config: .init())
+        known = Mutex(MetadataCache(capacity: config.metadataCacheSize))
+        listings = Mutex(ListingCache(capacity: config.metadataCacheSize))
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))
+    }
+
+    /// Called once the kernel is gone (unmount, signal): lets background work land on disk.
+    public func finishPendingWork(timeout: Double = 10) {
+        reader.finishPendingWork(timeout: timeout)
+    }
+
+    // MARK: Names
+
+    /// The object name (or listing prefix, without its trailing `/`) of a mount-relative path.
+    public func objectName(of path: String) -> String {
+        if reference.prefix.isEmpty { return path }
+        return path.isEmpty ? reference.prefix : reference.prefix + "/" + path
+    }
+
+    func listingPrefix(of dirPath: String) -> String {
+        let name = objectName(of: dirPath)
+        return name.isEmpty ? "" : name + "/"
+    }
+
+    static func join(_ dir: String, _ name: String) -> String { dir.isEmpty ? name : dir + "/" + name }
+
+    static func split(_ path: String) -> (parent: String, name: String) {
+        let components = path.slashComponents
+        return (components.dropLast().joined(separator: "/"), components.last ?? "")
+    }
+
+    // MARK: Lookup and attributes
+
+    /// Resolves `name` in directory `parent` and counts one kernel reference to the result.
+    public func lookup(parent: UInt64, name: String, network: Network = .allowed) throws(FilesystemError) -> FileAttributes {
+        let parentPath = try directoryPath(parent)
+        guard DirectoryListing.isRepresentable(name), !name.containsSlash else {
+            if name.utf8.count > 255 { throw FilesystemError(.nameTooLong, "name longer than 255 bytes") }
+            throw FilesystemError(.noEntry, "name cannot be a path component")
+        }
+        let path = Self.join(parentPath, name)
+        do throws(FilesystemError) {
+            let (kind, fetched) = try resolve(path: path, parentPath: parentPath, name: name, network: network)
+            return register(path: path, kind: kind, fetched: fetched, countLookup: true)
+        } catch {
+            if error.code == .wouldBlock { throw error }
+            // The bucket is unreachable or failing: a path we already know keeps working from
+            // what we know (its cached blocks stay readable). Missing and denied stay errors.
+            guard case .storage(let code) = error.code, Self.isOutage(code),
+                  let known = table.withLock({ t -> (UInt64, Node)? in
+                      guard let ino = t.byPath[ByteName(path)], var node = t.nodes[ino] else { return nil }
+                      node.lookups += 1
+                      t.nodes[ino] = node
+                      return (ino, node)
+                  }) else { throw error }
+            Log.info("op=lookup path=\(path) serving known attributes while the bucket is unreachable")
+            return attributes(known.0, known.1)
+        }
+    }
+
+    /// Drops `count` kernel references. An inode nobody references leaves the table; what it
+    /// said about its path moves to the bounded path cache (the kernel forgot it, we need not).
+    public func forget(_ inode: UInt64, count: UInt64) {
+        guard let gone = table.withLock({ $0.forget(inode, count: count) }) else { return }
+        let known: MetadataCache.Known
+        switch gone.kind {
+        case .directory: known = .directory
+        case .file(let r): known = .file(r)
+        }
+        self.known.withLock { $0.remember(ByteName(gone.path), known, at: gone.fetched) }
+    }
+
+    /// The attributes of an inode, refreshed from the bucket once older than `stat_ttl`. A
+    /// refresh that finds a new generation does not change this inode (it keeps describing
+    /// the generation its handles read): the path is let go, and the next lookup makes a new one.
+    public func attributes(of inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> FileAttributes {
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        guard case .file = node.kind, now() - node.fetched >= config.statTTL else {
+            return attributes(inode, node)
+        }
+        // Stale: refresh from the parent listing if it is fresh, else from the object itself.
+        let (parentPath, name) = Self.split(node.path)
+        do throws(FilesystemError) {
+            let (kind, _) = try resolve(path: node.path, parentPath: parentPath, name: name, network: network,
+                                        skipInode: inode)
+            guard case .file(let fresh) = kind else {
+                forgetPath(node.path)
+                throw FilesystemError(.noEntry, "\(node.path) is now a directory")
+            }
+            let updated = table.withLock { $0.refresh(inode, record: fresh, at: now()) }
+            return attributes(inode, updated ?? node)
+        } catch {
+            if error.code == .wouldBlock { throw error }
+            if case .storage(let code) = error.code, code != .notFound {
+                Log.debug("op=getattr ino=\(inode) serving cached attributes: \(error.message)")
+                return attributes(inode, node)
+            }
+            if error.code == .noEntry || error.code == .storage(.notFound) {
+                table.withLock { t in if let n = t.nodes[inode] { t.supersede(inode, n) } }
+            }
+            throw error
+        }
+    }
+
+    func attributes(_ inode: UInt64, _ node: Node) -> FileAttributes {
+        switch node.kind {
+        case .directory:
+            return FileAttributes(inode: inode, kind: .directory, size: 4096, mode: config.dirMode, uid: config.uid,
+                                  gid: config.gid, modified: mountTime, linkCount: 2)
+        case .file(let record):
+            return FileAttributes(inode: inode, kind: .file, size: record.size, mode: config.fileMode, uid: config.uid,
+                                  gid: config.gid, modified: record.modified, linkCount: 1)
+        }
+    }
+
+    func directoryPath(_ inode: UInt64) throws(FilesystemError) -> String {
+        guard let node = table.withLock({ $0.nodes[inode] }) else {
+            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        }
+        guard case .directory = node.kind else { throw FilesystemError(.notDirectory, "\(node.path) is a file") }
+        return node.path
+    }
+
+    /// What `path` is, and when that was learnt: from a fresh listing of its parent, the
+    /// inode table or the path cache within `stat_ttl`, and otherwise from the bucket.
+    /// `skipInode` is the inode being refreshed (its own record is what is stale).
+    func resolve(path: String, parentPath: String, name: String, network: Network,
+                 skipInode: UInt64? = nil) throws(FilesystemError) -> (Node.Kind, Double) {
+        let t = now()
+        let key = ByteName(path)
+        if let (listing, fetched) = freshListing(parentPath) {
+            if let index = listing.index(of: name) {
+                switch listing.entries[index] {
+                case .directory: return (.directory, fetched)
+                case .file(let r): return (.file(r), fetched)
+                case .unsizedFile: return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
+                }
+            }
+            // A listing says "absent" for `negative_ttl` only, as a missing name does: a name
+            // that appeared since is found by a probe (README, "Namespace semantics").
+            if t - fetched < config.negativeTTL { throw FilesystemError(.noEntry, "no \(path)") }
+        }
+        if let node = table.withLock({ tb -> Node? in
+            guard let ino = tb.byPath[key], ino != skipInode, let n = tb.nodes[ino], t - n.fetched < config.statTTL else { return nil }
+            return n
+        }) {
+            return (node.kind, node.fetched)
+        }
+        if let record = known.withLock({ $0.last(key) }) {
+            switch record.known {
+            case .missing where t - record.fetched < config.negativeTTL:
+                throw FilesystemError(.noEntry, "no \(path) (cached)")
+            case .directory where t - record.fetched < config.statTTL: return (.directory, record.fetched)
+            case .file(let r) where t - record.fetched < config.statTTL && skipInode == nil: return (.file(r), record.fetched)
+            default: break
+            }
+        }
+        // The bucket is known not to answer: what we know answers at once (BucketHealth).
+        if let outage = health.outage {
+            if let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
+            throw FilesystemError(outage)
+        }
+        guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
+        let objectName = objectName(of: path)
+        do throws(StorageError) {
+            let kind: Node.Kind
+            switch try probe(objectName, isCancelled: isCancelled) {
+            case .directory: kind = .directory
+            case .file(let meta):
+                fullMetadata.withLock { $0.remember(key, meta, at: now()) }
+                kind = .file(FileRecord(meta))
+            }
+            health.noteSuccess()
+            return (kind, now())
+        } catch {
+            health.note(error)
+            if error.code == .notFound {
+                health.noteSuccess()
+                if config.negativeTTL > 0 { known.withLock { $0.remember(key, .missing, at: now()) } }
+                throw FilesystemError(.noEntry, "no \(path)")
+            }
+            // Unreachable or failing: what we last knew still holds, so cached files stay
+            // reachable offline even after the kernel forgot them.
+            if Self.isOutage(error.code), let answer = lastKnown(path, parentPath: parentPath, name: name) {
+                Log.info("op=lookup path=\(path) answering from what was last known: \(error.message)")
+                return try answer.get()
+            }
+            Log.warn("op=lookup path=\(path) error=\(error.message)")
+            throw FilesystemError(error)
+        }
+    }
+
+    /// What was last known about `path`, however old (for outages): the inode table, the
+    /// path cache, or the last listing of its parent. nil when nothing is known.
+    func lastKnown(_ path: String, parentPath: String, name: String) -> Result<(Node.Kind, Double), FilesystemError>? {
+        let key = ByteName(path)
+        if let node = table.withLock({ t in t.byPath[key].flatMap { t.nodes[$0] } }) { return .success((node.kind, node.fetched)) }
+        if let record = known.withLock({ $0.last(key) }) {
+            switch record.known {
+            case .directory: return .success((.directory, record.fetched))
+            case .file(let r): return .success((.file(r), record.fetched))
+            case .missing: break
+            }
+        }
+        if let (listing, fetched) = staleListing(parentPath) {
+            switch listing[name: name] {
+            case .directory?: return .success((.directory, fetched))
+            case .file(let r)?: return .success((.file(r), fetched))
+            case .unsizedFile?: return nil
+            case nil: return .failure(FilesystemError(.noEntry, "no \(path) (as last listed)"))
+            }
+        }
+        return nil
+    }
+
+    /// Is `objectName` a directory (a prefix with anything under it) or an object? Both are
+    /// asked at once (one round trip of waiting, not two); a directory wins over a same-named
+    /// object, as in listings.
+    func probe(_ objectName: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ProbeAnswer {
+        let object = ProbeResult()
+        // The metadata GET may outlive this call (when it is interrupted); the caller's
+        // isCancelled reads a FUSE request that is freed once the caller replies, so the GET
+        // asks it only while this call is on, under a lock this call takes to leave.
+        let caller = CallerCancellation(isCancelled)
+        defer { caller.leave() }
+        probePool.submit { [store] in
+            do throws(StorageError) {
+                object.finish(.success(try store.metadata(of: objectName, isCancelled: caller.check)))
+            } catch {
+                object.finish(.failure(error))
+            }
+        }
+        let isDirectory = Result { () throws(StorageError) in try store.hasChildren(prefix: objectName + "/", isCancelled: isCancelled) }
+        // Both answers are awaited (they ran side by side: the wait is one round trip), so no
+        // request of this lookup outlives it.
+        guard let result = object.wait(isCancelled: isCancelled) else {
+            throw StorageError(.cancelled, "lookup of \(objectName) interrupted")
+        }
+        if try isDirectory.get() { return .directory }
+        return .file(try result.get())
+    }
+
+    enum ProbeAnswer {
+        case directory
+        case file(ObjectMetadata)
+    }
+
+    var probePool: WorkerPool {
+        probePoolSlot.withLock { p in
+            if p == nil { p = WorkerPool(threads: 16, name: "storefs-probe") }
+            return p!
+        }
+    }
+
+    /// Names remembered beyond the kernel's references (tests).
+    var rememberedPathCount: Int { known.withLock { $0.count } }
+
+    /// The bucket's object at `path` is not what we knew (a read found its generation gone,
+    /// or a refresh found it replaced): forget what any cache says about it, so the next
+    /// `open` and `stat` ask the bucket.
+    func forgetPath(_ path: String) {
+        let key = ByteName(path)
+        known.withLock { $0.forget(key) }
+        fullMetadata.withLock { $0.forget(key) }
+        listings.withLock { $0.invalidate(ByteName(Self.split(path).parent)) }
+        table.withLock { t in if let ino = t.byPath[key] { t.expire(ino) } }
+    }
+
+    func register(path: String, kind: Node.Kind, fetched: Double, countLookup: Bool) -> FileAttributes {
+        let (inode, node) = table.withLock { $0.upsert(path: path, kind: kind, at: fetched, countLookup: countLookup) }
+        return attributes(inode, node)
+    }
+
+    /// The inode number of a path: a hash of its bytes. readdir reports it for names not
+    /// looked up yet and a lookup then gives the same number, so `d_ino` equals `st_ino`
+    /// (`find -inum`, `du`, rsync). The top bit keeps it clear of the root (1). While the
+    /// kernel still holds the inode of an older generation of the object, the new one takes
+    /// the next free number (`InodeTable.upsert`): one inode per generation.
+    static func inodeNumber(_ path: String) -> UInt64 {
+        var h: UInt64 = 0xcbf2_9ce4_8422_2325
+        for b in path.utf8 { h = (h ^ UInt64(b)) &* 0x100_0000_01b3 }
+        return h | (1 << 63)
+    }
+
+    /// The bucket cannot answer right now (as opposed to answering "no").
+    static func isOutage(_ code: StorageError.Code) -> Bool {
+        code == .unreachable || code == .retryLimitExceeded
+    }
+}

@@ -1,0 +1,114 @@
+import StorageClient
+
+/// One inode the kernel holds (docs/architecture.md, "Metadata memory"): its path, what it
+/// is, when that was last checked, and the kernel's reference count. About 100 bytes with
+/// the table's two dictionaries (paths of up to 15 bytes are stored inline); the object
+/// resource itself is not kept here.
+struct Node {
+    enum Kind: Equatable {
+        case directory
+        case file(FileRecord)
+    }
+
+    var path: String
+    var kind: Kind
+    /// Monotonic time the kind was last confirmed by the bucket (or a listing).
+    var fetched: Double
+    /// Kernel references (lookup replies not yet forgotten).
+    var lookups: UInt64
+}
+
+/// Inode numbers for paths. A path keeps its inode while its content is unchanged; a new
+/// generation of a file gets a new inode, so the kernel never mixes two versions' pages.
+/// Only inodes the kernel references are here: what it forgot lives on, bounded, in the
+/// path-keyed `MetadataCache`.
+struct InodeTable {
+    var nodes: [UInt64: Node] = [Filesystem.rootInode: Node(path: "", kind: .directory, fetched: .infinity, lookups: 1)]
+    /// Paths by their bytes (ByteName): two canonically equivalent names are two inodes.
+    /// An inode whose path maps elsewhere is superseded (its object was replaced).
+    var byPath: [ByteName: UInt64] = [ByteName(""): Filesystem.rootInode]
+    var lastOpenedGeneration: [UInt64: Int64] = [:]
+
+    mutating func upsert(path: String, kind: Node.Kind, at time: Double, countLookup: Bool) -> (UInt64, Node) {
+        if let ino = byPath[ByteName(path)], var node = nodes[ino], node.kind.sameIdentity(as: kind) {
+            node.kind = kind
+            node.fetched = time
+            if countLookup { node.lookups += 1 }
+            nodes[ino] = node
+            return (ino, node)
+        }
+        // The number readdir already reported for this entry (Filesystem.inodeNumber); on the
+        // rare collision, the next free one.
+        var ino = Filesystem.inodeNumber(path)
+        while nodes[ino] != nil || ino <= Filesystem.rootInode { ino = (ino &+ 1) | (1 << 63) }
+        let node = Node(path: path, kind: kind, fetched: time, lookups: countLookup ? 1 : 0)
+        nodes[ino] = node
+        byPath[ByteName(path)] = ino
+        return (ino, node)
+    }
+
+    /// Updates a file's record. A changed generation never rewrites this inode (one inode,
+    /// one generation: its handles and the kernel's pages are that generation's): the path is
+    /// let go, so the next lookup makes a fresh inode for the new object, and this one keeps
+    /// its old record, marked fresh so it is not asked about again and again.
+    mutating func refresh(_ ino: UInt64, record: FileRecord, at time: Double) -> Node? {
+        guard var node = nodes[ino] else { return nil }
+        if case .file(let old) = node.kind, old.generation != record.generation {
+            supersede(ino, node)
+        } else {
+            node.kind = .file(record)
+        }
+        node.fetched = time
+        nodes[ino] = node
+        return node
+    }
+
+    /// The inode no longer stands for its path (its object was replaced or deleted).
+    mutating func supersede(_ ino: UInt64, _ node: Node) {
+        if byPath[ByteName(node.path)] == ino { byPath.removeValue(forKey: ByteName(node.path)) }
+    }
+
+    /// Whether `ino` is still what its path names (not replaced by a newer object).
+    func isCurrent(_ ino: UInt64) -> Bool {
+        guard let node = nodes[ino] else { return false }
+        return byPath[ByteName(node.path)] == ino
+    }
+
+    /// Makes the next `getattr`/`open` of `ino` ask the bucket again.
+    mutating func expire(_ ino: UInt64) {
+        nodes[ino]?.fetched = -.infinity
+    }
+
+    mutating func forget(_ ino: UInt64, count: UInt64) -> Node? {
+        guard ino != Filesystem.rootInode, var node = nodes[ino] else { return nil }
+        node.lookups = node.lookups > count ? node.lookups - count : 0
+        if node.lookups == 0 {
+            nodes.removeValue(forKey: ino)
+            lastOpenedGeneration.removeValue(forKey: ino)
+            if byPath[ByteName(node.path)] == ino {
+                byPath.removeValue(forKey: ByteName(node.path))
+                return node
+            }
+            return nil
+        }
+        nodes[ino] = node
+        return nil
+    }
+}
+
+extension Node.Kind {
+    func sameIdentity(as other: Node.Kind) -> Bool {
+        switch (self, other) {
+        case (.directory, .directory): return true
+        case (.file(let a), .file(let b)): return a.generation == b.generation
+        default: return false
+        }
+    }
+
+    var entry: DirectoryListing.Entry {
+        switch self {
+        case .directory: return .directory
+        case .file(let r): return .file(r)
+        }
+    }
+}

@@ -1,0 +1,62 @@
+import StorageClient
+
+/// One listing of a directory: what every handle opened on it reads, shared and immutable.
+final class ListingSnapshot: Sendable {
+    let listing: DirectoryListing
+    /// Monotonic time the listing's first page was asked for.
+    let fetched: Double
+
+    init(_ listing: DirectoryListing, fetched: Double) {
+        self.listing = listing
+        self.fetched = fetched
+    }
+
+    var names: [String] { listing.names }
+}
+
+/// Directory listings kept for `list_ttl` (docs/architecture.md, "Metadata memory"), bounded
+/// by the entries they hold (`metadata_cache_size`) and by their number; the least recently
+/// stored go first. An open directory handle keeps its own snapshot alive whatever happens
+/// here, so eviction never changes what a `readdir` in progress sees.
+struct ListingCache {
+    /// Bound on cached listings, whatever their size.
+    static let maxListings = 4096
+
+    let capacity: Int
+    private var listings: [ByteName: (snapshot: ListingSnapshot, sequence: UInt64)] = [:]
+    private(set) var entryCount = 0
+    private var nextSequence: UInt64 = 0
+
+    init(capacity: Int) { self.capacity = max(1024, capacity) }
+
+    var count: Int { listings.count }
+
+    /// The listing of `dir`, however old.
+    func last(_ dir: ByteName) -> ListingSnapshot? { listings[dir]?.snapshot }
+
+    mutating func store(_ dir: ByteName, _ snapshot: ListingSnapshot) {
+        invalidate(dir)
+        // A listing larger than the whole budget is not kept (its handles still have it).
+        guard snapshot.listing.count <= capacity else { return }
+        while !listings.isEmpty && (entryCount + snapshot.listing.count > capacity || listings.count >= Self.maxListings) {
+            evictOldest()
+        }
+        nextSequence += 1
+        listings[dir] = (snapshot, nextSequence)
+        entryCount += snapshot.listing.count
+    }
+
+    mutating func invalidate(_ dir: ByteName) {
+        if let old = listings.removeValue(forKey: dir) { entryCount -= old.snapshot.listing.count }
+    }
+
+    /// Drops the oldest eighth of the listings (at least one).
+    private mutating func evictOldest() {
+        let drop = max(1, listings.count / 8)
+        let cutoff = listings.values.map(\.sequence).sorted()[drop - 1]
+        for (dir, value) in listings where value.sequence <= cutoff {
+            listings.removeValue(forKey: dir)
+            entryCount -= value.snapshot.listing.count
+        }
+    }
+}
