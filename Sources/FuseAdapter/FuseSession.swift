@@ -89,6 +89,10 @@ public enum FuseSession {
             Log.useSyslog()
         }
         ctx.startWorkers()
+        // After daemonizing (fork keeps only the calling thread), like every worker.
+        let notifier = KernelNotifier(se)
+        defer { notifier.stop() }
+        fs.onNameChanged { parent, name in notifier.invalidateEntry(parent: parent, name: name) }
         ready()
         Log.info("mounted \(settings.fsname) on \(settings.mountpoint)")
 
@@ -105,6 +109,7 @@ public enum FuseSession {
         let deadline = Date().addingTimeInterval(Self.replyDrainSeconds)
         while ctx.inFlight.load(ordering: .acquiring) > 0 && Date() < deadline { usleep(2000) }
         let owed = ctx.inFlight.load(ordering: .acquiring)
+        notifier.stop()
         fuse_session_unmount(se)
         unmounted = true
         Log.info("unmounted \(settings.mountpoint) (loop status \(rc))")

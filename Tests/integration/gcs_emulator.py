@@ -256,6 +256,12 @@ class GCSEmulator:
     def get_object(self, bucket: str, name: str) -> dict:
         return self._json("GET", f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}")
 
+    def delete(self, bucket: str, name: str) -> None:
+        path = f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}"
+        status, _, data = self._request("DELETE", path)
+        if status not in (200, 204):
+            raise GCSError("DELETE", path, status, data)
+
     def download(self, bucket: str, name: str) -> bytes:
         """The stored bytes (Accept-Encoding: gzip, so no transcoding)."""
         path = f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}?alt=media"

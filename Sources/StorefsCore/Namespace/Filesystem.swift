@@ -81,6 +81,7 @@ public final class Filesystem: Sendable {
     let listingFlights = Mutex([ByteName: ListingFlight]())
     let listingPoolSlot = Mutex<WorkerPool?>(nil)
     let probePoolSlot = Mutex<WorkerPool?>(nil)
+    let nameChanged = Mutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(nil)
 
     /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
     public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil) {
@@ -353,10 +354,23 @@ public final class Filesystem: Sendable {
     /// `open` and `stat` ask the bucket.
     func forgetPath(_ path: String) {
         let key = ByteName(path)
+        let (parentPath, name) = Self.split(path)
         known.withLock { $0.forget(key) }
         fullMetadata.withLock { $0.forget(key) }
-        listings.withLock { $0.invalidate(ByteName(Self.split(path).parent)) }
-        table.withLock { t in if let ino = t.byPath[key] { t.expire(ino) } }
+        listings.withLock { $0.invalidate(ByteName(parentPath)) }
+        let parent = table.withLock { t -> UInt64? in
+            if let ino = t.byPath[key] { t.expire(ino) }
+            return t.byPath[ByteName(parentPath)]
+        }
+        // The kernel's entry for the name (and the attributes it caches for `stat_ttl`) must go
+        // too, or `stat` keeps showing the old object.
+        if let parent, let tell = nameChanged.withLock({ $0 }) { tell(parent, name) }
+    }
+
+    /// Installs who tells the kernel that a name no longer means what it was told (the FUSE
+    /// adapter, which does so off the request's thread).
+    public func onNameChanged(_ tell: @escaping @Sendable (_ parent: UInt64, _ name: String) -> Void) {
+        nameChanged.withLock { $0 = tell }
     }
 
     func register(path: String, kind: Node.Kind, fetched: Double, countLookup: Bool) -> FileAttributes {
