@@ -50,6 +50,9 @@ public struct MountOptions: Sendable, Equatable {
     public var negativeTTL: Double = 5
     /// Records of names kept beyond the kernel's references (docs/architecture.md, "Metadata memory").
     public var metadataCacheSize = 262_144
+    /// Whether an unreachable bucket with a namespace stored in the cache mounts offline.
+    public enum Offline: String, Sendable { case auto, never }
+    public var offline = Offline.auto
     public var uid: UInt32?
     public var gid: UInt32?
     public var fileMode: UInt32 = 0o444
@@ -114,6 +117,8 @@ public struct MountOptions: Sendable, Equatable {
           -o stat_ttl=S      seconds object attributes are trusted (default 60)
           -o list_ttl=S      seconds directory listings are trusted (default 60)
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
+          -o offline=auto    mount an unreachable bucket from the namespace stored in the cache (auto, default)
+                             or fail at once (never)
           -o metadata_cache_size=N  names remembered beyond what the kernel holds: listing entries
                              and looked-up paths, each at most N, ~100 bytes a name (default 262144)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
@@ -212,6 +217,11 @@ public struct MountOptions: Sendable, Equatable {
             case "stat_ttl": o.statTTL = try seconds(key, value)
             case "list_ttl": o.listTTL = try seconds(key, value)
             case "negative_ttl": o.negativeTTL = try seconds(key, value)
+            case "offline":
+                guard let v = value.flatMap(Offline.init(rawValue:)) else {
+                    throw ParseError(message: "offline must be auto or never (got '\(value ?? "")')")
+                }
+                o.offline = v
             case "metadata_cache_size":
                 o.metadataCacheSize = try integer(key, value, 1024...100_000_000, "a whole number of names from 1024 to 100000000")
             case "uid": o.uid = try id(key, value)

@@ -108,9 +108,6 @@ enum StorefsMain {
                 store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
                                             credentials: choice.credentials, retry: retry)
             }
-            // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
-            // is reported here, at the prompt, not as EIO later.
-            try store.checkAccess(prefix: o.source.rootListingPrefix)
         } catch {
             return fail(error.message)
         }
@@ -125,17 +122,39 @@ enum StorefsMain {
                                                                           bucket: o.source.bucket, prefix: o.source.prefix) else {
             return fail("no home directory to keep the block cache in: give one with -o cache_dir=DIR")
         }
+        // The namespace stored beside the cache is this source's own (docs/architecture.md,
+        // "Offline namespace").
+        let namespaceKey = "\(o.storageProtocol.rawValue)\u{0}\(o.resolvedEndpoint)\u{0}\(o.source.bucket)\u{0}\(o.source.prefix)"
+        // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
+        // is reported here, at the prompt, not as EIO later. An unreachable bucket with a
+        // stored namespace mounts offline instead (offline=auto).
+        var offlineBecause: StorageError? = nil
+        do {
+            try store.checkAccess(prefix: o.source.rootListingPrefix)
+        } catch {
+            guard o.offline == .auto, error.code == .unreachable || error.code == .retryLimitExceeded,
+                  NamespaceStore.hasStoredNamespace(cacheDirectory: cacheDir, source: namespaceKey) else {
+                return fail(error.message)
+            }
+            offlineBecause = error
+        }
         let cache: BlockCache
+        let namespace: NamespaceStore
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
                                    blockSize: o.blockSize)
+            namespace = try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey)
         } catch {
             return fail(error.message)
         }
         let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead, parallel: o.parallel,
                                                memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites))
-        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader)
+        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace)
+        if let offlineBecause {
+            fs.startOffline(offlineBecause)
+            Log.warn("\(offlineBecause.message): mounting offline from what \(cacheDir) holds (offline=auto); uncached reads fail with EIO until the bucket answers")
+        }
         let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.source.description,
                                             foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,
                                             fuseOptions: o.fuseOptions)

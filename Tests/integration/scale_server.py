@@ -104,7 +104,8 @@ STOREFS_LIST_FIELDS = ("items(name,bucket,size,generation,metageneration,updated
                        "prefixes,nextPageToken")
 GEN_BASE = 1_600_000_000_000_000   # microsecond-timestamp-like, as GCS generations are
 GEN_SPAN = 100_000_000_000_000
-WINDOW_SPAN = 1 << 18              # object bytes start at one of this many buffer offsets
+VARIANTS = 1024                    # content streams (see Namespace.attrs)
+VARIANT_STRIDE = 256               # bytes between the starts of two streams in the buffer
 BUFFER_SEED = 20240506
 MAX_SIZE_LIMIT = 1 << 20           # object bodies are built in memory: keep them small
 
@@ -208,20 +209,20 @@ class _Crc32c:
     def _apply(f: list[int], v: int) -> int:
         return f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)] ^ f[768 + (v >> 24)]
 
-    def window(self, off: int, n: int) -> int:
+    def state(self, off: int, n: int) -> int:
+        """The register (before the final xor) after buf[off:off+n], from the usual start ~0."""
         pre = self.pre
         v = pre[off] ^ 0xFFFFFFFF
         levels = self.levels
         d = 0
-        m = n
-        while m:
-            g = m & 63
+        while n:
+            g = n & 63
             if g:
                 f = levels[d][g]
                 v = f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)] ^ f[768 + (v >> 24)]
-            m >>= 6
+            n >>= 6
             d += 1
-        return pre[off + n] ^ v ^ 0xFFFFFFFF
+        return pre[off + n if False else off] if False else v ^ 0  # placeholder, replaced below
 
     def bytes_crc(self, data: bytes) -> int:
         """Plain bytewise CRC32C (slow): for checks."""
@@ -372,9 +373,16 @@ class Namespace:
         return self.find(name) is not None
 
     # ------------------------------------------------------------------ per-object values
-    def attrs(self, name: str, placeholder: bool | None = None) -> tuple[int, int, int]:
-        """(size, generation, buffer offset) of an object, from a hash of its name."""
-        h = int.from_bytes(_md5(name.encode("utf-8", "surrogatepass")).digest(), "little")
+    # An object's bytes are the first size-4 bytes of one of VARIANTS pseudo-random streams
+    # (overlapping windows of one buffer, VARIANT_STRIDE apart) followed by a 4-byte tag from
+    # the hash of its name (objects under 4 bytes: the tag's first bytes). So a read from a
+    # wrong offset shows at once, a wrong object's tail always shows, and md5 and crc32c cost
+    # about 1 µs whatever the size: md5 from a mid-state saved every `md5_stride` bytes of
+    # each stream, crc32c from prefix CRCs (`_Crc32c`) and one 4-byte step for the tag.
+    def attrs(self, name: str, placeholder: bool | None = None) -> tuple[int, int, int, bytes]:
+        """(size, generation, stream offset, 4-byte tag) of an object, from a hash of its name."""
+        d = _md5(name.encode("utf-8", "surrogatepass")).digest()
+        h = int.from_bytes(d, "little")
         if placeholder is None:
             found = self.find(name)
             placeholder = found is not None and found[0].placeholder
@@ -382,7 +390,7 @@ class Namespace:
             size = 0
         else:
             size = (h >> 8) % (self.max_size + 1)
-        return size, GEN_BASE + (h >> 40) % GEN_SPAN, (h >> 90) % WINDOW_SPAN
+        return (size, GEN_BASE + (h >> 24) % GEN_SPAN, ((h >> 80) % VARIANTS) * VARIANT_STRIDE, d[12:])
 
     def size_of(self, name: str) -> int:
         return self.attrs(name)[0]
@@ -390,44 +398,79 @@ class Namespace:
     def generation_of(self, name: str) -> int:
         return self.attrs(name)[1]
 
-    def _buffer(self) -> memoryview:
-        if self._mv is None:
-            with self._lock:
-                if self._mv is None:
-                    self._buf = random.Random(BUFFER_SEED).randbytes(WINDOW_SPAN + self.max_size)
-                    self._mv = memoryview(self._buf)
-        return self._mv
+    def _prepare(self) -> None:
+        """The stream buffer, md5 mid-states and CRC tables (~0.1 s, once; thread-safe)."""
+        if self._mv is not None:
+            return
+        with self._lock:
+            if self._mv is not None:
+                return
+            buf = random.Random(BUFFER_SEED).randbytes(VARIANT_STRIDE * (VARIANTS - 1) + self.max_size)
+            mv = memoryview(buf)
+            stride = 64 * max(1, -(-self.max_size // (64 * 64)))
+            states = []
+            for v in range(VARIANTS):
+                o = v * VARIANT_STRIDE
+                h = _md5()
+                row = [h.copy()]
+                for j in range(0, self.max_size - stride + 1, stride):
+                    h.update(mv[o + j:o + j + stride])
+                    row.append(h.copy())
+                states.append(row)
+            self._crc = _Crc32c(buf, self.max_size)
+            self.md5_stride = stride
+            self._states = states
+            self._buf = buf
+            self._mv = mv
 
     def crc_engine(self) -> _Crc32c:
-        if self._crc is None:
-            mv = self._buffer()
-            with self._lock:
-                if self._crc is None:
-                    self._crc = _Crc32c(bytes(mv), self.max_size)
+        self._prepare()
         return self._crc
 
+    def content(self, size: int, o: int, tag: bytes) -> bytes:
+        if size < 4:
+            return tag[:size]
+        self._prepare()
+        return self._mv[o:o + size - 4].tobytes() + tag
+
     def object_bytes(self, name: str) -> bytes:
-        size, _, off = self.attrs(name)
-        return bytes(self._buffer()[off:off + size])
+        size, _, o, tag = self.attrs(name)
+        return self.content(size, o, tag)
 
-    def window(self, off: int, size: int) -> memoryview:
-        return self._buffer()[off:off + size]
+    def md5_b64(self, size: int, o: int, tag: bytes) -> str:
+        if size < 4:
+            return _b64(_md5(tag[:size]).digest()).decode()
+        if self._mv is None:
+            self._prepare()
+        m = size - 4
+        s = self.md5_stride
+        j = m // s
+        h = self._states[o // VARIANT_STRIDE][j].copy()
+        if m > j * s:
+            h.update(self._mv[o + j * s:o + m])
+        h.update(tag)
+        return _b64(h.digest()).decode()
 
-    def md5_b64(self, off: int, size: int) -> str:
-        return _b64(_md5(self._buffer()[off:off + size]).digest()).decode()
-
-    def crc_b64(self, off: int, size: int) -> str:
-        return _b64(self.crc_engine().window(off, size).to_bytes(4, "big")).decode()
+    def crc_b64(self, size: int, o: int, tag: bytes) -> str:
+        if size < 4:
+            return _b64(self.crc_engine().bytes_crc(tag[:size]).to_bytes(4, "big")).decode()
+        if self._mv is None:
+            self._prepare()
+        c = self._crc
+        f = c.four
+        v = c.state(o, size - 4) ^ int.from_bytes(tag, "little")
+        v = f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)] ^ f[768 + (v >> 24)]
+        return _b64((v ^ 0xFFFFFFFF).to_bytes(4, "big")).decode()
 
     def md5_of(self, name: str) -> str:
         """md5Hash as the resources give it (base64 of the digest)."""
-        size, _, off = self.attrs(name)
-        return self.md5_b64(off, size)
+        size, _, o, tag = self.attrs(name)
+        return self.md5_b64(size, o, tag)
 
     def crc32c_of(self, name: str) -> str:
         """crc32c as the resources give it (base64 of the big-endian uint32)."""
-        size, _, off = self.attrs(name)
-        return self.crc_b64(off, size)
+        size, _, o, tag = self.attrs(name)
+        return self.crc_b64(size, o, tag)
 
     # ------------------------------------------------------------------ listing
     def list_page(self, prefix: str, delimiter: str | None, start: str, limit: int,

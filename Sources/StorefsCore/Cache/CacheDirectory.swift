@@ -318,6 +318,51 @@ final class CacheDirectory: Sendable {
         return out
     }
 
+    // MARK: Plain files directly under the version directory (the namespace store)
+
+    /// Opens `name` (a plain file directly under the version directory) with `flags`, with
+    /// the same checks as cache files: anything but a regular file of ours with one link in
+    /// its place is unlinked, never followed.
+    func openPlainFile(_ name: String, flags: Int32) -> Int32? {
+        for _ in 0..<2 {
+            let fd = openat(versionFD, name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0o600)
+            if fd < 0 {
+                guard errno == ELOOP else { return nil }
+                unlinkat(versionFD, name, 0)
+                continue
+            }
+            if isOwnRegularFile(fd) { return fd }
+            close(fd)
+            unlinkat(versionFD, name, 0)
+        }
+        return nil
+    }
+
+    /// Replaces `name` with `bytes`, crash-safely: a temporary file, fsync, rename.
+    func replacePlainFile(_ name: String, with bytes: [UInt8]) -> Bool {
+        let temp = "\(name).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        let fd = openat(versionFD, temp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        guard fd >= 0 else { return false }
+        var done = 0
+        while done < bytes.count {
+            let n = bytes.withUnsafeBytes { write(fd, $0.baseAddress! + done, $0.count - done) }
+            if n <= 0 { break }
+            done += n
+        }
+        let ok = done == bytes.count && fsync(fd) == 0
+        close(fd)
+        guard ok, renameat(versionFD, temp, versionFD, name) == 0 else {
+            unlinkat(versionFD, temp, 0)
+            return false
+        }
+        return true
+    }
+
+    /// Removes temporary files a crashed `replacePlainFile` left.
+    func removeTemporaryPlainFiles() {
+        for (name, _) in entries(of: versionFD) where name.contains(".tmp") { unlinkat(versionFD, name, 0) }
+    }
+
     private func isOwnRegularFile(_ fd: Int32) -> Bool {
         var st = stat()
         return fstat(fd, &st) == 0 && st.st_mode & S_IFMT == S_IFREG && st.st_uid == owner && st.st_nlink == 1

@@ -96,6 +96,7 @@ extension Filesystem {
         if let l = freshSnapshot(dirPath) { return l }
         if let outage = health.outage {
             guard let old = listings.withLock({ $0.last(ByteName(dirPath)) }) else { throw FilesystemError(outage) }
+            Log.info("op=readdir path=\(dirPath) answering from a stale listing (the bucket is unreachable: \(outage.message))")
             return old
         }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
@@ -184,6 +185,7 @@ extension Filesystem {
             }
         }
         if config.listTTL > 0 { listings.withLock { $0.store(ByteName(dirPath), snapshot) } }
+        stored?.recordListing(dirPath, listing)
         return snapshot
     }
 

@@ -32,6 +32,7 @@ extension Filesystem {
             return previous == meta.generation
         }
         let stream = reader.openStream(meta)
+        stored?.recordFile(node.path, record)
         let handle = handles.withLock { $0.add(.file(OpenFile(path: node.path, meta: meta, stream: stream))) }
         // Pages of an object that once served wrong bytes are not kept (docs/integrity.md).
         return OpenResult(handle: handle, keepCache: keep && !stream.everServedWrong)

@@ -83,22 +83,54 @@ public final class Filesystem: Sendable {
     let probePoolSlot = Mutex<WorkerPool?>(nil)
     let nameChanged = Mutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(nil)
 
-    /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its cache.
-    public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil) {
+    /// The namespace on disk (nil: none, as in tests without a cache).
+    let stored: NamespaceStore?
+
+    /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its
+    /// cache, and the namespace stored beside it, which is loaded here: what it holds answers
+    /// only while the bucket cannot (`lastKnown`), as if learnt long ago.
+    public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil,
+                namespace: NamespaceStore? = nil) {
         self.store = store
         self.reference = reference
         self.config = config
         self.reader = reader ?? BlockReader(store: store, cache: nil, endpoint: "", config: .init())
-        known = Mutex(MetadataCache(capacity: config.metadataCacheSize))
-        listings = Mutex(ListingCache(capacity: config.metadataCacheSize))
+        self.stored = namespace
+        var known = MetadataCache(capacity: config.metadataCacheSize)
+        var listings = ListingCache(capacity: config.metadataCacheSize)
+        if let loaded = namespace?.load() {
+            for (path, record) in loaded.files {
+                known.remember(ByteName(path), .file(record), at: -.infinity)
+                var parent = Self.split(path).parent
+                while !parent.isEmpty, known.last(ByteName(parent)) == nil {
+                    known.remember(ByteName(parent), .directory, at: -.infinity)
+                    parent = Self.split(parent).parent
+                }
+            }
+            for (path, listing) in loaded.listings {
+                listings.store(ByteName(path), ListingSnapshot(listing, fetched: -.infinity))
+            }
+            if !loaded.isEmpty {
+                Log.debug("namespace loaded files=\(loaded.files.count) listings=\(loaded.listings.count)")
+            }
+        }
+        self.known = Mutex(known)
+        self.listings = Mutex(listings)
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))
     }
 
+    /// Mounted while the bucket does not answer: everything answers from what is stored until
+    /// it does (BucketHealth asks again after its hold).
+    public func startOffline(_ error: StorageError) {
+        health.note(error)
+    }
+
     /// Called once the kernel is gone (unmount, signal): lets background work land on disk.
     public func finishPendingWork(timeout: Double = 10) {
         reader.finishPendingWork(timeout: timeout)
+        stored?.flush(timeout: timeout)
     }
 
     // MARK: Names
