@@ -2,8 +2,8 @@ import Glibc
 import StorageClient
 import Synchronization
 
-/// The namespace on disk, beside the block cache (docs/architecture.md, "Offline namespace";
-/// the format is in docs/cache-format.md): what is needed to serve known paths after a remount
+/// The namespace on disk, beside the block cache (docs/architecture.md, "Offline namespace",
+/// which gives the format): what is needed to serve known paths after a remount
 /// with the bucket unreachable — the name, size, generation and time of every file opened
 /// (whose blocks the cache may hold), and the directory listings fetched.
 ///
@@ -185,7 +185,7 @@ public final class NamespaceStore: Sendable {
         _ = writer.drain(timeout: timeout)
     }
 
-    // MARK: Encoding (docs/cache-format.md, "Namespace log")
+    // MARK: Encoding (docs/architecture.md, "Offline namespace")
 
     enum Record {
         case file(String, FileRecord)

@@ -1,0 +1,137 @@
+"""The baselines no filesystem is involved in: curl against the server (or the link proxy),
+and the local disk (bench/README.md, "What happens" 2).
+
+- `curl-1`: one GET of the whole object; MiB/s = size / curl's %{time_total}.
+- `curl-N`: N curl processes at once, each a ranged GET of 1/N; MiB/s = size / wall time.
+  N = 8 on loopback; 16 through a modelled link, where it is the link's ceiling.
+- one 4 KiB ranged GET: curl CLI, many URLs in one invocation (one reused connection).
+- http.client keep-alive 4 KiB GETs (informational: adds ~80–150 µs of Python).
+- the local copy of big.bin read with dd after drop_caches: the disk's speed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import subprocess
+import time
+
+from . import MIB
+from .host import BenchError, drop_caches, log
+from .readers import run_dds
+from .stats import percentile
+
+LAT_GETS = 300
+LAT_WARMUP = 20
+
+
+def curl_single(url: str, size: int) -> float:
+    out = subprocess.run(["curl", "-s", "-o", "/dev/null", "--max-time", "300",
+                          "-w", "%{http_code} %{size_download} %{time_total}", url],
+                         capture_output=True, text=True, check=False)
+    code, got, secs = out.stdout.split()
+    if code != "200" or int(got) != size:
+        raise BenchError(f"curl single GET: HTTP {code}, {got} bytes")
+    return size / MIB / float(secs)
+
+
+def curl_parallel(url: str, size: int, n: int) -> float:
+    part = size // n
+    procs = []
+    t0 = time.monotonic()
+    for i in range(n):
+        a = i * part
+        b = size - 1 if i == n - 1 else a + part - 1
+        procs.append(subprocess.Popen(
+            ["curl", "-s", "-o", "/dev/null", "--max-time", "300", "-r", f"{a}-{b}",
+             "-w", "%{http_code} %{size_download}", url],
+            stdout=subprocess.PIPE, text=True))
+    total = 0
+    for p in procs:
+        out, _ = p.communicate()
+        code, got = out.split()
+        if code != "206":
+            raise BenchError(f"curl ranged GET: HTTP {code}")
+        total += int(got)
+    secs = time.monotonic() - t0
+    if total != size:
+        raise BenchError(f"curl parallel: got {total} bytes, want {size}")
+    return size / MIB / secs
+
+
+def curl_latency(url: str, size: int, seed: int) -> tuple:
+    """p50/p99 µs of 4 KiB ranged GETs, one curl invocation, one reused connection."""
+    rng = random.Random(seed)
+    offs = [rng.randrange(0, size // 4096) * 4096 for _ in range(LAT_WARMUP + LAT_GETS)]
+    argv = ["curl"]
+    for i, off in enumerate(offs):
+        if i:
+            argv.append("--next")
+        argv += ["-s", "-o", "/dev/null", "--max-time", "30", "-r", f"{off}-{off + 4095}",
+                 "-w", "%{http_code} %{size_download} %{time_total} %{num_connects}\\n", url]
+    out = subprocess.run(argv, capture_output=True, text=True, check=False)
+    lines = out.stdout.split("\n")[:-1]
+    if len(lines) != len(offs):
+        raise BenchError(f"curl latency: {len(lines)} answers for {len(offs)} requests: {out.stderr[-300:]}")
+    lat, connects = [], 0
+    for line in lines[LAT_WARMUP:]:
+        code, got, secs, nconn = line.split()
+        if code != "206" or got != "4096":
+            raise BenchError(f"curl latency: HTTP {code}, {got} bytes")
+        lat.append(float(secs) * 1e6)
+        connects += int(nconn)
+    if connects:
+        log(f"note: curl opened {connects} new connection(s) during the latency sample")
+    return percentile(lat, 50), percentile(lat, 99)
+
+
+def httpclient_latency(port: int, path: str, size: int, seed: int) -> tuple:
+    """Same as curl_latency but with python http.client keep-alive (informational)."""
+    rng = random.Random(seed)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    lat = []
+    try:
+        for i in range(LAT_WARMUP + LAT_GETS):
+            off = rng.randrange(0, size // 4096) * 4096
+            t0 = time.perf_counter_ns()
+            conn.request("GET", path, headers={"Range": f"bytes={off}-{off + 4095}"})
+            r = conn.getresponse()
+            body = r.read()
+            t1 = time.perf_counter_ns()
+            if r.status != 206 or len(body) != 4096:
+                raise BenchError(f"http.client ranged GET: HTTP {r.status}, {len(body)} bytes")
+            if i >= LAT_WARMUP:
+                lat.append((t1 - t0) / 1000.0)
+    finally:
+        conn.close()
+    return percentile(lat, 50), percentile(lat, 99)
+
+
+def local_disk_mibs(path: str) -> float:
+    """dd of the local copy after drop_caches: what the cache disk reads at (a warm re-read's ceiling)."""
+    drop_caches()
+    [(got, secs)], _ = run_dds([["dd", f"if={path}", "of=/dev/null", "bs=1M"]], None)
+    return got / MIB / secs
+
+
+def new_baselines(streams: int) -> dict:
+    """Per-run lists of every baseline; `curl{streams}` holds the N-stream throughput."""
+    return {"curl1": [], f"curl{streams}": [], "get_p50": [], "get_p99": [], "hc_p50": [], "hc_p99": [],
+            "local_cold": []}
+
+
+def measure_baselines(base: dict, url: str, port: int, path: str, size: int, local_big: str,
+                      streams: int, seed: int) -> None:
+    """One run of every baseline, appended to `base` (see new_baselines)."""
+    drop_caches()
+    base["curl1"].append(curl_single(url, size))
+    base[f"curl{streams}"].append(curl_parallel(url, size, streams))
+    p50, p99 = curl_latency(url, size, seed + 200)
+    base["get_p50"].append(p50)
+    base["get_p99"].append(p99)
+    base["local_cold"].append(local_disk_mibs(local_big))
+    h50, h99 = httpclient_latency(port, path, size, seed + 300)
+    base["hc_p50"].append(h50)
+    base["hc_p99"].append(h99)
+    log(f"  curl 1 stream {base['curl1'][-1]:.0f} MiB/s, {streams} streams {base[f'curl{streams}'][-1]:.0f} MiB/s, "
+        f"4K GET p50/p99 {p50:.0f}/{p99:.0f} µs (curl), {h50:.0f}/{h99:.0f} µs (http.client)")

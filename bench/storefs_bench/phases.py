@@ -1,0 +1,232 @@
+"""The rows measured on each mount in the loopback and --link settings (bench/README.md,
+"What happens" 4). Each phase starts from a fresh mount with a fresh, empty cache dir and
+dropped caches, unless it says otherwise:
+
+- `sequential`: cold `dd` of big.bin (cold_seq), the daemon's VmHWM after it (rss), its and the
+  server's CPU per GiB and the bytes the server sent; then the warm re-read on a remount with
+  the same cache dir (warm_seq), and once more without drop_caches (an extra line).
+- `random`: 500 cold 4 KiB preads (rand_cold_*), then the same offsets from the daemon's
+  cache (rand_cached_*), then again after drop_caches (an extra line).
+- `parallel readers`: N dd on disjoint slices (par8; with --link also 4 readers: par4).
+- `first byte` (--link only): `head -c 1` of big.bin on a fresh mount (first_byte).
+- `find` / `ls -lR` of the 10,000-file tree (find, lsR).
+
+Values go to res[row][system] (a list, one per run); extras to extra[key][system]; a failed
+phase becomes a line under the table and the other phases go on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import time
+
+from . import MIB
+from .data import BIG, SEED, TREE_ENTRIES
+from .host import (BenchError, MountError, busy_share, cpu_jiffies, dir_size_mib, drop_caches, log,
+                   proc_cpu_seconds, proc_wchar)
+from .readers import parallel_readers_mibs, pread_latency, seq_read_mibs, timed_shell
+from .systems import Mount, RunContext
+
+RAND_READS = 500
+READERS = 8
+LINK_READERS = 4  # --link: 4 readers of disjoint slices, beside the 8
+
+
+def random_offsets(size: int, seed: int) -> list:
+    """RAND_READS seeded-random 4 KiB-aligned offsets in the object."""
+    rng = random.Random(seed)
+    return [rng.randrange(0, size // 4096) * 4096 for _ in range(RAND_READS)]
+
+
+class SystemRun:
+    """One system's phases in one run: where values go, and how a failed phase is recorded."""
+
+    def __init__(self, ctx: RunContext, system: str, run_i: int, res: dict, extra: dict, errors: list,
+                 link=None):
+        self.ctx, self.system, self.run_i = ctx, system, run_i
+        self.res, self.extra, self.errors = res, extra, errors
+        self.link = link  # the LinkProxy with --link, whose stats give requests/connections per phase
+        self.big = os.path.join(ctx.mnt, BIG)
+        # The floor has no cache (a warm or cached pass would time the same GETs again) and
+        # shows one file (no tree to walk).
+        self.cacheless = system == "floor"
+
+    def put(self, key, val):
+        self.res.setdefault(key, {}).setdefault(self.system, []).append(val)
+
+    def put_extra(self, key, val):
+        self.extra.setdefault(key, {}).setdefault(self.system, []).append(val)
+
+    def last(self, key):
+        return self.res[key][self.system][-1]
+
+    def step(self, name: str, fn) -> None:
+        """Run one phase; a failure is logged and listed, a mount failure ends this system's run."""
+        if self.system in self.ctx.dead:
+            return
+        try:
+            self._link_reset()
+            fn()
+            self._link_record(name)
+        except MountError as exc:
+            msg = f"run {self.run_i + 1} {self.system} {name}: {exc} -- {self.system} skipped from here on"
+            log("ERROR " + msg)
+            self.errors.append(msg)
+            self.ctx.dead[self.system] = str(exc)
+        except (BenchError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+            msg = f"run {self.run_i + 1} {self.system} {name}: {exc}"
+            log("ERROR " + msg)
+            self.errors.append(msg)
+
+    def _link_reset(self) -> None:
+        if self.link is not None:
+            self.link.reset_stats()
+
+    def _link_record(self, phase: str) -> None:
+        """With --link: what the phase cost on the wire (the proxy's request/connection counts)."""
+        if self.link is not None:
+            self.put_extra(f"link_stats:{phase}", self.link.stats())
+
+    def fresh_cache(self) -> str:
+        return self.ctx.new_cache_dir(self.system)
+
+    def mount(self, cache: str) -> Mount:
+        return Mount(self.system, self.ctx, self.ctx.mnt, cache)
+
+
+# --------------------------------------------------------------------------- phases
+def sequential_phase(sr: SystemRun) -> None:
+    """Cold sequential read, peak RSS and CPU; then the warm re-reads on the same cache dir."""
+    size, server_pid = sr.ctx.size, sr.ctx.server.pid
+    cache = sr.fresh_cache()
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            cpu0, srv0, w0 = m.cpu_seconds(), proc_cpu_seconds(server_pid), proc_wchar(server_pid)
+            j0, t0 = cpu_jiffies(), time.monotonic()
+            v = seq_read_mibs(sr.big, size, m.pid)
+            sr.put_extra("machine_busy_pct_cold_seq", busy_share(j0, cpu_jiffies(), time.monotonic() - t0))
+            cpu1, srv1, w1 = m.cpu_seconds(), proc_cpu_seconds(server_pid), proc_wchar(server_pid)
+            if w0 is not None and w1 is not None:
+                sr.put_extra("server_mib_sent_cold_seq", (w1 - w0) / MIB)
+            sr.put("cold_seq", v)
+            sr.put("rss", m.hwm_mib())
+            if cpu0 is not None and cpu1 is not None:
+                sr.put_extra("daemon_cpu_s_per_gib_cold_seq", (cpu1 - cpu0) / (size / (1 << 30)))
+            if srv0 is not None and srv1 is not None:
+                sr.put_extra("server_cpu_s_per_gib_cold_seq", (srv1 - srv0) / (size / (1 << 30)))
+            log(f"  {sr.system} cold sequential {v:.0f} MiB/s, VmHWM {sr.last('rss'):.1f} MiB")
+        if sr.cacheless:
+            return
+        sr.put_extra("cache_dir_mib_after_cold_seq", dir_size_mib(cache))
+        with sr.mount(cache) as m:
+            drop_caches()
+            v = seq_read_mibs(sr.big, size, m.pid)
+            sr.put("warm_seq", v)
+            log(f"  {sr.system} warm re-read {v:.0f} MiB/s")
+        # The same once more without drop_caches: the cache files now sit in the page cache,
+        # so this is the daemon's own ceiling rather than the disk's (reference, not a row).
+        with sr.mount(cache) as m:
+            v = seq_read_mibs(sr.big, size, m.pid)
+            sr.put_extra("warm_seq_page_cache_mibs", v)
+            log(f"  {sr.system} warm re-read, cache files in page cache {v:.0f} MiB/s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def random_phase(sr: SystemRun) -> None:
+    """Random 4 KiB preads: cold, then from the daemon's cache, then after drop_caches."""
+    ctx, server_pid = sr.ctx, sr.ctx.server.pid
+    cache = sr.fresh_cache()
+    offs = random_offsets(ctx.size, SEED + 100 + sr.run_i)
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            w0 = proc_wchar(server_pid)
+            p50, p99 = pread_latency(sr.big, ctx.local_big, offs, evict_first=False, daemon_pid=m.pid)
+            w1 = proc_wchar(server_pid)
+            if w0 is not None and w1 is not None:
+                sr.put_extra("server_mib_sent_cold_random", (w1 - w0) / MIB)
+            sr.put("rand_cold_p50", p50)
+            sr.put("rand_cold_p99", p99)
+            if sr.cacheless:
+                log(f"  {sr.system} random 4K cold p50/p99 {p50:.0f}/{p99:.0f} µs")
+                return
+            seq_read_mibs(sr.big, ctx.size, m.pid)  # the file read fully: the daemon's cache is now filled
+            p50c, p99c = pread_latency(sr.big, ctx.local_big, offs, evict_first=True, daemon_pid=m.pid)
+            sr.put("rand_cached_p50", p50c)
+            sr.put("rand_cached_p99", p99c)
+            drop_caches()
+            p50d, p99d = pread_latency(sr.big, ctx.local_big, offs, evict_first=False, daemon_pid=m.pid)
+            sr.put_extra("rand_cached_after_drop_caches_p50_us", p50d)
+            sr.put_extra("rand_cached_after_drop_caches_p99_us", p99d)
+            log(f"  {sr.system} random 4K cold p50/p99 {p50:.0f}/{p99:.0f} µs, cached {p50c:.1f}/{p99c:.1f} µs, "
+                f"cached after drop_caches {p50d:.1f}/{p99d:.1f} µs")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def parallel_phase(sr: SystemRun, n: int, key: str, busy_key: str | None) -> None:
+    """n cold readers at once, each on its own 1/n slice of big.bin."""
+    cache = sr.fresh_cache()
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            j0, t0 = cpu_jiffies(), time.monotonic()
+            v = parallel_readers_mibs(sr.big, sr.ctx.size, m.pid, n)
+            if busy_key:
+                sr.put_extra(busy_key, busy_share(j0, cpu_jiffies(), time.monotonic() - t0))
+            sr.put(key, v)
+            log(f"  {sr.system} {n} parallel readers {v:.0f} MiB/s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def first_byte_phase(sr: SystemRun) -> None:
+    """`head -c 1` of big.bin on a fresh mount: lookup + open + the first read, seconds."""
+    cache = sr.fresh_cache()
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            secs, out = timed_shell(f"head -c 1 {shlex.quote(sr.big)} | wc -c", m.pid, timeout=60)
+            if out.strip() != "1":
+                raise BenchError(f"head -c 1 gave {out.strip()} bytes")
+            sr.put("first_byte", secs)
+            log(f"  {sr.system} head -c 1 on a fresh mount {secs * 1000:.0f} ms")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def walk_phase(sr: SystemRun, key: str, cmd: str, check_count: bool) -> None:
+    """A metadata walk of the tree (find or ls -lR) on its own fresh mount, seconds."""
+    cache = sr.fresh_cache()
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            secs, out = timed_shell(cmd, m.pid)
+            if check_count and int(out.strip()) != TREE_ENTRIES:
+                raise BenchError(f"find listed {out.strip()} entries, want {TREE_ENTRIES}")
+            sr.put(key, secs)
+            log(f"  {sr.system} {key} {secs:.3f} s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def measure_system(ctx: RunContext, system: str, run_i: int, res: dict, extra: dict, errors: list,
+                   link=None) -> None:
+    """All mount rows for one system, one run. Stores into res[row_key][system] (list per run)."""
+    sr = SystemRun(ctx, system, run_i, res, extra, errors, link)
+    tree = shlex.quote(os.path.join(ctx.mnt, "tree"))
+    sr.step("sequential", lambda: sequential_phase(sr))
+    sr.step("random", lambda: random_phase(sr))
+    sr.step("parallel readers", lambda: parallel_phase(sr, READERS, "par8", "machine_busy_pct_par8"))
+    if link is not None:
+        sr.step(f"{LINK_READERS} readers", lambda: parallel_phase(sr, LINK_READERS, "par4", None))
+        sr.step("first byte", lambda: first_byte_phase(sr))
+    if not sr.cacheless:
+        sr.step("find", lambda: walk_phase(sr, "find", f"find {tree} | wc -l", True))
+        sr.step("ls -lR", lambda: walk_phase(sr, "lsR", f"ls -lR {tree} > /dev/null", False))
