@@ -589,7 +589,7 @@ def test_cache_layout_modes_and_no_names(mount, cdata):
     assert pread_ranges(m.p(SEQ), [(7 * MiB, 100 * KiB)]) == [cdata[SEQ][7 * MiB:7 * MiB + 100 * KiB]]
     assert mount.unmount(m) == []      # nothing half-written while we look
 
-    layout = re.compile(r"v1(/[0-9a-f]{2}(/[0-9a-f]{64}\.blk)?)?")
+    layout = re.compile(r"v1(/[0-9a-f]{2}(/[0-9a-f]{64}\.blk)?)?|ns-v1(/[0-9a-f]{16}\.log)?")
     fragments = set()
     for name in SECRET_NAMES + [SMALL, SEQ]:
         for part in re.split(r"[/. ]", name):
@@ -614,6 +614,12 @@ def test_cache_layout_modes_and_no_names(mount, cdata):
                 bad_modes.append(f"{rel}: {oct(st.st_mode)}")
             if rel == os.path.join("v1", ".lock"):
                 files -= 1  # the one-process-per-cache lock file, named by design
+                continue
+            if rel.startswith("ns-v1" + os.sep):
+                # The stored namespace holds names by design (README, "Offline use"): private
+                # (0600, checked above) under private directories, like the blocks.
+                if not layout.fullmatch(rel):
+                    bad_names.append(rel)
                 continue
             if not layout.fullmatch(rel) or n[:2] != os.path.basename(root):
                 bad_names.append(rel)

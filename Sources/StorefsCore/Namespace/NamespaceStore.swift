@@ -7,13 +7,13 @@ import Synchronization
 /// with the bucket unreachable — the name, size, generation and time of every file opened
 /// (whose blocks the cache may hold), and the directory listings fetched.
 ///
-/// One append-only log per mounted source, `cache_dir/namespace-v1/<source hash>.log`, made of
+/// One append-only log per mounted source, `cache_dir/ns-v1/<source hash>.log`, made of
 /// checksummed records; a torn tail (a crash mid-append) is cut off at load, and the log is
 /// rewritten compactly (temporary file, fsync, rename) when it holds mostly superseded
 /// records. Appends happen on a thread of their own, never on a FUSE thread. What is loaded
 /// only ever answers while the bucket cannot: fresh answers replace it.
 public final class NamespaceStore: Sendable {
-    static let versionName = "namespace-v1"
+    static let versionName = "ns-v1"
     static let magic: [UInt8] = Array("storefs-namespace\n".utf8)
     static let formatVersion: UInt32 = 1
     /// Largest log read at mount; past it appends of listings stop (files go on).
@@ -30,7 +30,14 @@ public final class NamespaceStore: Sendable {
     private let directory: CacheDirectory
     private let fileName: String
     private let log: Mutex<Int32>
-    private let writer = WorkerPool(threads: 1, name: "storefs-ns")
+    /// Made on first use: the store is opened before daemonizing, and fork keeps no threads.
+    private let writerSlot = Mutex<WorkerPool?>(nil)
+    private var writer: WorkerPool {
+        writerSlot.withLock { p in
+            if p == nil { p = WorkerPool(threads: 1, name: "storefs-ns") }
+            return p!
+        }
+    }
     private let written = Mutex(Written())
     private struct Written {
         var files: [ByteName: Int64] = [:]
@@ -182,7 +189,8 @@ public final class NamespaceStore: Sendable {
 
     /// Waits until every record asked for is written (unmount).
     public func flush(timeout: Double) {
-        _ = writer.drain(timeout: timeout)
+        guard let pool = writerSlot.withLock({ $0 }) else { return }
+        _ = pool.drain(timeout: timeout)
     }
 
     // MARK: Encoding (docs/architecture.md, "Offline namespace")
