@@ -79,6 +79,7 @@ import http.client
 import json
 import mmap
 import os
+import pickle
 import random
 import re
 import select
@@ -109,7 +110,10 @@ VARIANT_STRIDE = 256               # bytes between the starts of two streams in 
 BUFFER_SEED = 20240506
 MAX_SIZE_LIMIT = 1 << 20           # object bodies are built in memory: keep them small
 
-_unquote = urllib.parse.unquote
+def _unquote(s: str, errors: str = "strict") -> str:
+    return urllib.parse.unquote(s, errors=errors) if "%" in s else s
+
+
 _unquote_plus = urllib.parse.unquote_plus
 _md5 = hashlib.md5
 _b64 = base64.b64encode
@@ -121,6 +125,7 @@ def quote_name(s: str) -> str:
     return urllib.parse.quote(s, safe="")
 
 
+_B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _NEEDS_ESCAPE = re.compile(r'[\x00-\x1f"\\\x7f\u2028\u2029]')
 
 
@@ -183,7 +188,7 @@ class _Crc32c:
         self.pre = pre
         self.levels: list[list[list[int] | None]] = []
         unit = [t[(1 << j) & 0xFF] ^ ((1 << j) >> 8) for j in range(32)]   # images of 1 zero byte
-        while 64 ** len(self.levels) <= max(max_len, 4):
+        while 64 ** len(self.levels) <= max(max_len, 64):
             tabs: list[list[int] | None] = [None]
             imgs = unit
             one = self._table(unit)
@@ -241,6 +246,7 @@ class _Numbered:
 
     def __init__(self, head: str, count: int, width: int, tail: str, content_type: str) -> None:
         width = max(width, len(str(max(count - 1, 0))))
+        self.head, self.tail, self.width = head, tail, width
         self.count = count
         self.fmt = head.replace("%", "%%") + "%0" + str(width) + "d" + tail.replace("%", "%%")
         self.jfmt = json_str(head).replace("%", "%%") + "%0" + str(width) + "d" + json_str(tail).replace("%", "%%")
@@ -258,6 +264,17 @@ class _Numbered:
 
     def uname(self, i: int) -> str:
         return self.ufmt % i
+
+    def exact(self, name: str) -> int:
+        """i when `name` is this family's name(i), else -1 (O(1))."""
+        h, t, w = self.head, self.tail, self.width
+        if len(name) != len(h) + w + len(t) or not name.startswith(h) or not name.endswith(t):
+            return -1
+        digits = name[len(h):len(h) + w]
+        if not (digits.isascii() and digits.isdigit()):
+            return -1
+        i = int(digits)
+        return i if i < self.count else -1
 
     def index(self, key: str) -> int:
         """The first i whose name is >= key (count if none)."""
@@ -296,6 +313,10 @@ class _Listed:
 
     def index(self, key: str) -> int:
         return bisect.bisect_left(self.names, key)
+
+    def exact(self, name: str) -> int:
+        i = bisect.bisect_left(self.names, name)
+        return i if i < self.count and self.names[i] == name else -1
 
 
 ODD_NAMES = ["odd/with space.bin", "odd/a+b.bin", "odd/100%.bin", "odd/hash#tag.bin",
@@ -364,12 +385,12 @@ class Namespace:
 
     def find(self, name: str):
         """(family, index) of `name`, or None when the bucket has no such object."""
-        fi, i = self.seek(name)
-        if fi < len(self.families):
-            f = self.families[fi]
-            if f.name(i) == name:
-                return f, i
-        return None
+        fi = bisect.bisect_right(self.firsts, name) - 1
+        if fi < 0:
+            return None
+        f = self.families[fi]
+        i = f.exact(name)
+        return (f, i) if i >= 0 else None
 
     def __contains__(self, name: str) -> bool:
         return self.find(name) is not None
@@ -420,6 +441,7 @@ class Namespace:
                     row.append(h.copy())
                 states.append(row)
             self._crc = _Crc32c(buf, self.max_size)
+            self._crc_b64 = self._make_crc_b64(self._crc)
             self.md5_stride = stride
             self._states = states
             self._buf = buf
@@ -454,15 +476,53 @@ class Namespace:
         return _b64(h.digest()).decode()
 
     def crc_b64(self, size: int, o: int, tag: bytes) -> str:
-        if size < 4:
-            return _b64(self.crc_engine().bytes_crc(tag[:size]).to_bytes(4, "big")).decode()
         if self._mv is None:
             self._prepare()
-        c = self._crc
-        f = c.four
-        v = c.state(o, size - 4) ^ int.from_bytes(tag, "little")
-        v = f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)] ^ f[768 + (v >> 24)]
-        return _b64((v ^ 0xFFFFFFFF).to_bytes(4, "big")).decode()
+        return self._crc_b64(size, o, tag)
+
+    def _make_crc_b64(self, c: _Crc32c):
+        """crc_b64 with everything bound locally. With max_size <= 8 KiB, the register after
+        each stream's first 64·j bytes is kept (xor pre[o + 64·j], ready for one step), so a
+        CRC is two 4-lookup table steps; larger objects take Crc32c.state."""
+        pre, four, state, slow = c.pre, c.four, c.state, c.bytes_crc
+        level0 = c.levels[0]
+        b64pairs = [a + b for a in _B64 for b in _B64]
+        fast = self.max_size <= 8192
+        per = self.max_size // 64 + 1
+        q: list[int] = []
+        if fast:
+            step64 = c.levels[1][1]
+            for v in range(VARIANTS):
+                o = v * VARIANT_STRIDE
+                s = 0xFFFFFFFF
+                for j in range(per):
+                    q.append(s ^ pre[o + 64 * j])
+                    if j + 1 < per:
+                        x = s ^ pre[o + 64 * j]
+                        s = (step64[x & 255] ^ step64[256 + ((x >> 8) & 255)] ^ step64[512 + ((x >> 16) & 255)]
+                             ^ step64[768 + (x >> 24)] ^ pre[o + 64 * (j + 1)])
+
+        def crc_b64(size: int, o: int, tag: bytes) -> str:
+            if size < 4:
+                v = slow(tag[:size])
+            else:
+                m = size - 4
+                if fast:
+                    v = q[(o // VARIANT_STRIDE) * per + (m >> 6)]
+                    r = m & 63
+                    if r:
+                        f = level0[r]
+                        v = f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)] ^ f[768 + (v >> 24)]
+                    v ^= pre[o + m]
+                else:
+                    v = state(o, m)
+                v ^= int.from_bytes(tag, "little")
+                v = (four[v & 255] ^ four[256 + ((v >> 8) & 255)] ^ four[512 + ((v >> 16) & 255)]
+                     ^ four[768 + (v >> 24)] ^ 0xFFFFFFFF)
+            x = v << 4   # 32 bits + 4 zero bits = 6 base64 digits, then "=="
+            return b64pairs[x >> 24] + b64pairs[(x >> 12) & 4095] + b64pairs[x & 4095] + "=="
+
+        return crc_b64
 
     def md5_of(self, name: str) -> str:
         """md5Hash as the resources give it (base64 of the digest)."""
@@ -680,7 +740,8 @@ class Renderer:
             parts.append(_literal(json.dumps(field)) + ":" + src)
         body = "{{" + ",".join(parts) + "}}"
         code = f"def render(jn, un, ct, size, gen, o, tag):\n    return f'{body}'\n"
-        env = {"md5": self.ns.md5_b64, "crc": self.ns.crc_b64, "etag": etag_of,
+        self.ns._prepare()
+        env = {"md5": self.ns.md5_b64, "crc": self.ns._crc_b64, "etag": etag_of,
                "disposition": lambda un: quote_name(_unquote(un).rsplit("/", 1)[-1]),
                "token": download_token}
         exec(code, env)   # noqa: S102 - our own template text
@@ -719,13 +780,13 @@ class Renderer:
             out += f',"nextPageToken":"{token}"'
         return out + "}"
 
-    def gcs_object(self, f, i, selection) -> str:
+    def gcs_object(self, f, i, selection, attrs=None) -> str:
         return self.object_renderer(GCS_OBJECT_FIELDS, selection)(
-            f.jname(i), f.uname(i), f.jctype, *self.ns.attrs(f.name(i), f.placeholder))
+            f.jname(i), f.uname(i), f.jctype, *(attrs or self.ns.attrs(f.name(i), f.placeholder)))
 
-    def v0_object(self, f, i) -> str:
+    def v0_object(self, f, i, attrs=None) -> str:
         return self.object_renderer(V0_OBJECT_FIELDS, None)(
-            f.jname(i), f.uname(i), f.jctype, *self.ns.attrs(f.name(i), f.placeholder))
+            f.jname(i), f.uname(i), f.jctype, *(attrs or self.ns.attrs(f.name(i), f.placeholder)))
 
     def bucket_resource(self) -> str:
         c = self.consts
@@ -825,7 +886,7 @@ class App:
     """Routes one request to its answer: (status, [(header, value)], body bytes, kind)."""
 
     def __init__(self, ns: Namespace, bucket: str, external: str, counts: SharedCounts,
-                 page_cache_bytes: int = 32 << 20) -> None:
+                 page_cache_bytes: int = 32 << 20, render_ahead: int = 0) -> None:
         self.ns = ns
         self.bucket = bucket
         self.render = Renderer(ns, bucket, external)
@@ -833,23 +894,48 @@ class App:
         self.pages: collections.OrderedDict = collections.OrderedDict()
         self.page_bytes = 0
         self.page_cache_limit = page_cache_bytes
-        self.prerender_pending = None   # (key, args) of the page to render ahead
+        self.next_starts: collections.OrderedDict = collections.OrderedDict()
+        self.selections: dict = {}
+        self.ahead: RenderAhead | None = RenderAhead(self, render_ahead) if render_ahead > 0 else None
 
     # ------------------------------------------------------------------ page cache
+    # Rendered listing pages as (body, resume key), by (chain, start): the chain is every
+    # listing parameter but the page token, the start the name the page begins at.
     def _cache_get(self, key):
-        body = self.pages.get(key)
-        if body is not None:
+        entry = self.pages.get(key)
+        if entry is not None:
             self.pages.move_to_end(key)
-        return body
+        return entry
 
-    def _cache_put(self, key, body: bytes) -> None:
+    def _cache_put(self, key, entry) -> None:
+        self.remember_next(key, entry[1])
+        body = entry[0]
         if len(body) > self.page_cache_limit // 4 or key in self.pages:
             return
-        self.pages[key] = body
+        self.pages[key] = entry
         self.page_bytes += len(body)
         while self.page_bytes > self.page_cache_limit:
-            _, old = self.pages.popitem(last=False)
+            _, (old, _) = self.pages.popitem(last=False)
             self.page_bytes -= len(old)
+
+    def remember_next(self, key, resume) -> None:
+        nxt = self.next_starts
+        nxt[key] = resume
+        if len(nxt) > 20000:
+            for _ in range(10000):
+                nxt.popitem(last=False)
+
+    def next_start(self, chain, start):
+        """Where the page after the one at `start` begins (None: it is the last): from what
+        was rendered, else from the listing alone (cheap, no rendering)."""
+        key = (chain, start)
+        if key in self.next_starts:
+            return self.next_starts[key]
+        api, prefix, delimiter, limit, _fields, end = chain
+        resume = self.ns.list_page(prefix, delimiter, start, limit, end,
+                                   hide=(prefix or None) if api == "v0" else None)[2]
+        self.remember_next(key, resume)
+        return resume
 
     # ------------------------------------------------------------------ dispatch
     @staticmethod
@@ -975,64 +1061,59 @@ class App:
                 start = key
         return start
 
+    def _selection(self, fields):
+        sel = self.selections.get(fields, False)
+        if sel is False:
+            try:
+                sel = parse_fields(fields) if fields else None
+            except ValueError:
+                raise gcs_error(400, f"Invalid field selection {fields}", "invalidParameter") from None
+            if len(self.selections) > 1000:
+                self.selections.clear()
+            self.selections[fields] = sel
+        return sel
+
     def gcs_list(self, params: dict):
         prefix = params.get("prefix", "")
-        delimiter = params.get("delimiter") or None
-        limit = self._max_results(params, False)
-        fields = params.get("fields")
-        try:
-            selection = parse_fields(fields) if fields else None
-        except ValueError:
-            raise gcs_error(400, f"Invalid field selection {fields}", "invalidParameter") from None
-        end = params.get("endOffset") or None
-        key = ("gcs", prefix, delimiter, params.get("pageToken"), limit, fields,
-               params.get("startOffset"), end)
-        body = self._cache_get(key)
-        if body is None:
-            body = self._render_gcs(prefix, delimiter, self._start(prefix, params, False), limit, end,
-                                    selection, key)
-        return 200, [(b"Content-Type", JSON_TYPE)], body
-
-    def _render_gcs(self, prefix, delimiter, start, limit, end, selection, key) -> bytes:
-        entries, prefixes, resume = self.ns.list_page(prefix, delimiter, start, limit, end)
-        token = encode_token(resume) if resume is not None else None
-        body = self.render.gcs_list(entries, prefixes, token, selection).encode()
-        self._cache_put(key, body)
-        if token is not None and limit >= 100:
-            nkey = key[:3] + (token,) + key[4:]
-            self.prerender_pending = (nkey, lambda: self._render_gcs(
-                prefix, delimiter, max(resume, start), limit, end, selection, nkey))
-        return body
+        fields = params.get("fields") or None
+        self._selection(fields)   # a bad selection is a 400 before anything else
+        chain = ("gcs", prefix, params.get("delimiter") or None, self._max_results(params, False), fields,
+                 params.get("endOffset") or None)
+        return 200, [(b"Content-Type", JSON_TYPE)], self.serve_list(chain, self._start(prefix, params, False))
 
     def v0_list(self, params: dict):
         prefix = params.get("prefix", "")
-        delimiter = params.get("delimiter") or None
-        limit = self._max_results(params, True)
-        key = ("v0", prefix, delimiter, params.get("pageToken"), limit)
-        body = self._cache_get(key)
-        if body is None:
-            body = self._render_v0(prefix, delimiter, self._start(prefix, params, True), limit, key)
-        return 200, [(b"Content-Type", JSON_TYPE)], body
+        chain = ("v0", prefix, params.get("delimiter") or None, self._max_results(params, True), None, None)
+        return 200, [(b"Content-Type", JSON_TYPE)], self.serve_list(chain, self._start(prefix, params, True))
 
-    def _render_v0(self, prefix, delimiter, start, limit, key) -> bytes:
-        # The placeholder of the listed directory itself is not listed (§2.4).
-        entries, prefixes, resume = self.ns.list_page(prefix, delimiter, start, limit, None,
-                                                      hide=prefix or None)
-        token = encode_token(resume) if resume is not None else None
-        body = self.render.v0_list(entries, prefixes, token).encode()
-        self._cache_put(key, body)
-        if token is not None and limit >= 100:
-            nkey = key[:3] + (token,) + key[4:]
-            self.prerender_pending = (nkey, lambda: self._render_v0(
-                prefix, delimiter, max(resume, start), limit, nkey))
-        return body
+    def render_page(self, chain, start):
+        """(body, resume key or None) of the page of `chain` that begins at `start`."""
+        api, prefix, delimiter, limit, fields, end = chain
+        if api == "gcs":
+            entries, prefixes, resume = self.ns.list_page(prefix, delimiter, start, limit, end)
+            token = encode_token(resume) if resume is not None else None
+            body = self.render.gcs_list(entries, prefixes, token, self._selection(fields))
+        else:
+            # The placeholder of the listed directory itself is not listed (§2.4).
+            entries, prefixes, resume = self.ns.list_page(prefix, delimiter, start, limit, end,
+                                                          hide=prefix or None)
+            token = encode_token(resume) if resume is not None else None
+            body = self.render.v0_list(entries, prefixes, token)
+        return body.encode(), resume
 
-    def prerender(self) -> None:
-        """Renders the page after the last full one, into the cache (called when idle)."""
-        pending, self.prerender_pending = self.prerender_pending, None
-        if pending is not None and pending[0] not in self.pages:
-            pending[1]()
-            self.prerender_pending = None   # do not chain: one page ahead is enough
+    def serve_list(self, chain, start) -> bytes:
+        key = (chain, start)
+        entry = self._cache_get(key)
+        ahead = self.ahead
+        if entry is None and ahead is not None and ahead.in_flight(key):
+            ahead.wait(key)   # a helper is rendering it: do not render it twice
+            entry = self._cache_get(key)
+        if entry is None:
+            entry = self.render_page(chain, start)
+            self._cache_put(key, entry)
+        if entry[1] is not None and chain[3] >= 100 and ahead is not None:
+            ahead.want(chain, entry[1])
+        return entry[0]
 
     # ------------------------------------------------------------------ objects
     def _object(self, name: str, params: dict, v0: bool):
@@ -1057,17 +1138,17 @@ class App:
         return f, i, size, gen, o, tag
 
     def gcs_metadata(self, name: str, params: dict):
-        f, i, *_ = self._object(name, params, False)
+        f, i, *attrs = self._object(name, params, False)
         fields = params.get("fields")
         try:
             selection = parse_fields(fields) if fields else None
         except ValueError:
             raise gcs_error(400, f"Invalid field selection {fields}", "invalidParameter") from None
-        return self.json(200, self.render.gcs_object(f, i, selection))
+        return self.json(200, self.render.gcs_object(f, i, selection, attrs))
 
     def v0_metadata(self, name: str):
-        f, i, *_ = self._object(name, {}, True)
-        return self.json(200, self.render.v0_object(f, i))
+        f, i, *attrs = self._object(name, {}, True)
+        return self.json(200, self.render.v0_object(f, i, attrs))
 
     def media(self, name: str, params: dict, headers: dict, v0: bool):
         f, i, size, gen, o, tag = self._object(name, params, v0)
@@ -1134,6 +1215,147 @@ def parse_range(value: bytes, size: int):
         return "unsatisfiable"
     b = size - 1 if last == "" else min(int(last), size - 1)
     return a, b
+
+
+# ============================================================================ render ahead
+class RenderAhead:
+    """Helper processes that render the next pages of a listing while the client reads this
+    one. A worker serves; after it answers a page with a next page, `want` makes sure the
+    next `n` pages are cached or being rendered, one per helper, so n helpers render n pages
+    at once (a sequential walk gets the speed of n + 1 processes). A request for a page a
+    helper is still rendering waits for it. Helpers are forked on first use (closing every
+    descriptor but their socket) and die with the worker."""
+
+    def __init__(self, app: "App", n: int) -> None:
+        self.app = app
+        self.n = n
+        self.helpers: list[dict] = []
+        self.inflight: dict = {}      # page key -> helper
+        self.spawned = False
+
+    # ------------------------------------------------------------------ helpers
+    def _spawn(self) -> None:
+        self.spawned = True
+        loop = asyncio.get_event_loop()
+        for _ in range(self.n):
+            mine, theirs = socket.socketpair()
+            pid = os.fork()
+            if pid == 0:
+                keep = theirs.fileno()
+                try:
+                    os.closerange(3, keep)
+                    os.closerange(keep + 1, 1 << 20)
+                except OSError:
+                    pass
+                _set_pdeathsig()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                code = 0
+                try:
+                    self._helper_loop(theirs)
+                except BaseException:  # noqa: BLE001 - the worker renders itself then
+                    code = 1
+                os._exit(code)
+            theirs.close()
+            mine.setblocking(False)
+            h = {"pid": pid, "sock": mine, "buf": bytearray(), "jobs": 0, "alive": True}
+            self.helpers.append(h)
+            loop.add_reader(mine.fileno(), self._readable, h)
+
+    def _helper_loop(self, sock: socket.socket) -> None:
+        f = sock.makefile("rb")
+        while True:
+            head = f.read(4)
+            if len(head) < 4:
+                return
+            key = pickle.loads(f.read(int.from_bytes(head, "big")))
+            body, resume = self.app.render_page(*key)
+            out = pickle.dumps((key, body, resume), protocol=pickle.HIGHEST_PROTOCOL)
+            sock.sendall(len(out).to_bytes(4, "big") + out)
+
+    def _dead(self, h: dict) -> None:
+        if not h["alive"]:
+            return
+        h["alive"] = False
+        try:
+            asyncio.get_event_loop().remove_reader(h["sock"].fileno())
+        except (RuntimeError, ValueError):
+            pass
+        h["sock"].close()
+        for k in [k for k, owner in self.inflight.items() if owner is h]:
+            del self.inflight[k]
+        try:
+            os.waitpid(h["pid"], os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+    def _readable(self, h: dict) -> None:
+        try:
+            data = h["sock"].recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._dead(h)
+            return
+        buf = h["buf"]
+        buf += data
+        while len(buf) >= 4:
+            n = int.from_bytes(buf[:4], "big")
+            if len(buf) < 4 + n:
+                break
+            key, body, resume = pickle.loads(bytes(buf[4:4 + n]))
+            del buf[:4 + n]
+            h["jobs"] -= 1
+            self.inflight.pop(key, None)
+            self.app._cache_put(key, (body, resume))
+
+    def pids(self) -> list[int]:
+        return [h["pid"] for h in self.helpers if h["alive"]]
+
+    # ------------------------------------------------------------------ the worker's side
+    def in_flight(self, key) -> bool:
+        return key in self.inflight
+
+    def wait(self, key, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while key in self.inflight:
+            h = self.inflight[key]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._dead(h)   # hung: the worker renders itself
+                return
+            r, _, _ = select.select([h["sock"]], [], [], left)
+            if r:
+                self._readable(h)
+
+    def want(self, chain, start) -> None:
+        """Have the n pages from `start` on cached or being rendered."""
+        if not self.spawned:
+            self._spawn()
+        live = [h for h in self.helpers if h["alive"]]
+        if not live:
+            return
+        app = self.app
+        for d in range(self.n):
+            key = (chain, start)
+            if key not in app.pages and key not in self.inflight:
+                h = min(live, key=lambda x: x["jobs"])
+                out = pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    h["sock"].setblocking(True)
+                    h["sock"].sendall(len(out).to_bytes(4, "big") + out)
+                    h["sock"].setblocking(False)
+                except OSError:
+                    self._dead(h)
+                    return
+                h["jobs"] += 1
+                self.inflight[key] = h
+            if d + 1 < self.n:
+                start = app.next_start(chain, start)
+                if start is None:
+                    return
 
 
 # ============================================================================ HTTP protocol
@@ -1210,8 +1432,6 @@ class _Conn(asyncio.Protocol):
                 body = json.dumps({"error": {"code": 500, "message": f"scale_server error: {exc!r}"}}).encode()
                 keep = False
             self.respond(status, hdrs, body, keep, method == b"HEAD")
-        if self.app.prerender_pending is not None and not self.closing:
-            self.loop.call_soon(_prerender_when_flushed, self.app, self.transport, 0)
 
     def respond(self, status: int, headers, body, keep: bool, head_only: bool) -> None:
         out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, "Status").encode()))
@@ -1234,19 +1454,6 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closing = True
-
-
-def _prerender_when_flushed(app: App, transport, tries: int) -> None:
-    """Render ahead only once the answer has left (a busy loop would hold it back)."""
-    if app.prerender_pending is None:
-        return
-    if transport.is_closing():
-        app.prerender_pending = None
-        return
-    if transport.get_write_buffer_size() and tries < 50:
-        asyncio.get_event_loop().call_later(0.0005, _prerender_when_flushed, app, transport, tries + 1)
-        return
-    app.prerender()
 
 
 # ============================================================================ server process
@@ -1288,7 +1495,8 @@ def serve(args) -> int:
     endpoint = f"http://{args.host}:{port}"
     workers = max(1, args.workers)
     counts = SharedCounts(workers, args.counts_file)
-    app = App(ns, args.bucket, args.external_url or endpoint, counts, args.page_cache_mb << 20)
+    app = App(ns, args.bucket, args.external_url or endpoint, counts, args.page_cache_mb << 20,
+              args.render_ahead)
     parent = os.getpid()
     children: list[int] = []
     for w in range(2, workers + 1):
@@ -1308,7 +1516,7 @@ def serve(args) -> int:
     counts.row = 1
 
     def stop(*_):
-        for pid in children:
+        for pid in children + (app.ahead.pids() if app.ahead else []):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -1351,13 +1559,14 @@ class ScaleServer:
     def __init__(self, bucket: str = DEFAULT_BUCKET, dirs: int = 100, files: int = 10000, wide: int = 0,
                  host: str = "127.0.0.1", port: int = 0, external_url: str | None = None, *,
                  nested: int = 0, odd: bool = False, max_size: int = 4096, workers: int = 2,
-                 page_cache_mb: int = 32) -> None:
+                 page_cache_mb: int = 32, render_ahead: int = 2) -> None:
         self.bucket = bucket
         self.host = host
         self.requested_port = port
         self.external_url = external_url
         self.workers = workers
         self.page_cache_mb = page_cache_mb
+        self.render_ahead = render_ahead
         self.namespace = Namespace(dirs, files, wide, nested, odd, max_size)
         self.port = 0
         self.endpoint = ""
@@ -1375,7 +1584,7 @@ class ScaleServer:
                 "--dirs", str(ns.dirs), "--files", str(ns.files), "--wide", str(ns.wide),
                 "--nested", str(ns.nested), "--max-size", str(ns.max_size), "--host", self.host,
                 "--port", str(self.requested_port), "--workers", str(self.workers),
-                "--page-cache-mb", str(self.page_cache_mb)]
+                "--page-cache-mb", str(self.page_cache_mb), "--render-ahead", str(self.render_ahead)]
         if ns.odd:
             argv.append("--odd")
         if self.external_url:
@@ -1591,6 +1800,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--external-url", default=None, help="base URL of selfLink/mediaLink")
     p.add_argument("--workers", type=int, default=2, help="server processes sharing the port")
     p.add_argument("--page-cache-mb", type=int, default=32, help="rendered-page cache per worker")
+    p.add_argument("--render-ahead", type=int, default=2,
+                   help="helper processes per worker rendering the next listing pages (0: none)")
     p.add_argument("--counts-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--exit-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--walk", action="store_true", help="start a server, walk it, print the speed")
@@ -1604,7 +1815,7 @@ def _parser() -> argparse.ArgumentParser:
 def _walk_cli(args) -> int:
     with ScaleServer(args.bucket, args.dirs, args.files, args.wide, args.host, 0, args.external_url,
                      nested=args.nested, odd=args.odd, max_size=args.max_size, workers=args.workers,
-                     page_cache_mb=args.page_cache_mb) as s:
+                     page_cache_mb=args.page_cache_mb, render_ahead=args.render_ahead) as s:
         print(f"server {s.endpoint}: {s.count():,} objects ({args.dirs} dirs x {args.files} files"
               f"{f' + wide {args.wide}' if args.wide else ''}), api={args.api}, "
               f"{'flat' if args.flat else 'delimited'}, {'full resources' if args.full else 'storefs fields='}",

@@ -21,11 +21,12 @@ public struct DirectoryListing: Sendable {
     public let names: [String]
     public let entries: [Entry]
     /// Files hidden because a directory of the same name exists (logged once by the caller).
-    public private(set) var shadowedFiles: [String] = []
+    public let shadowedFiles: [String]
 
     public init() {
         names = []
         entries = []
+        shadowedFiles = []
     }
 
     public var count: Int { names.count }
@@ -51,16 +52,36 @@ public struct DirectoryListing: Sendable {
         return !b.isEmpty && !b.elementsEqual(".".utf8) && !b.elementsEqual("..".utf8) && b.count <= 255 && !b.contains(0)
     }
 
-    /// Builds the listing of `prefix` (`""` or ending in `/`) from all its pages. Items of
-    /// pages that carry names only (`metadataComplete == false`) are `.unsizedFile`.
+    /// Builds the listing of `prefix` (`""` or ending in `/`) from all its pages.
     public init(prefix: String, pages: [ListPage]) {
-        var dirs = Set<ByteName>()
-        var files: [ByteName: Entry] = [:]
-        let skip = prefix.utf8.count
-        for page in pages {
+        var builder = Builder(prefix: prefix)
+        for page in pages { builder.add(page) }
+        self = builder.build()
+    }
+
+    private init(names: [String], entries: [Entry], shadowedFiles: [String]) {
+        self.names = names
+        self.entries = entries
+        self.shadowedFiles = shadowedFiles
+    }
+
+    /// Takes a listing's pages one at a time, keeping only compact entries: a page's object
+    /// resources are dropped as soon as it is added (a 100,000-entry directory never holds
+    /// 100,000 of them).
+    public struct Builder {
+        let prefix: String
+        private var dirs = Set<ByteName>()
+        private var files: [ByteName: Entry] = [:]
+
+        public init(prefix: String) { self.prefix = prefix }
+
+        public var count: Int { dirs.count + files.count }
+
+        public mutating func add(_ page: ListPage) {
+            let skip = prefix.utf8.count
             for p in page.prefixes where p.hasBytePrefix(prefix) && p.endsWithSlash && p.utf8.count > skip {
                 let rel = p.droppingBytes(skip).droppingLastByte
-                if !rel.containsSlash, Self.isRepresentable(rel) { dirs.insert(ByteName(rel)) }
+                if !rel.containsSlash, DirectoryListing.isRepresentable(rel) { dirs.insert(ByteName(rel)) }
             }
             for item in page.items where item.name.hasBytePrefix(prefix) {
                 let rel = item.name.droppingBytes(skip)
@@ -69,25 +90,29 @@ public struct DirectoryListing: Sendable {
                     // Without a delimiter match this would be deeper; a trailing-slash item
                     // (`x/` under includeTrailingDelimiter) marks a directory.
                     let parts = rel.slashComponents
-                    if parts.count == 2, parts[1].isEmpty, Self.isRepresentable(parts[0]) {
+                    if parts.count == 2, parts[1].isEmpty, DirectoryListing.isRepresentable(parts[0]) {
                         dirs.insert(ByteName(parts[0]))
                     }
                     continue
                 }
-                if Self.isRepresentable(rel) { files[ByteName(rel)] = page.metadataComplete ? .file(FileRecord(item)) : .unsizedFile }
+                if DirectoryListing.isRepresentable(rel) {
+                    files[ByteName(rel)] = page.metadataComplete ? .file(FileRecord(item)) : .unsizedFile
+                }
             }
         }
-        var all: [(ByteName, Entry)] = []
-        all.reserveCapacity(dirs.count + files.count)
-        for d in dirs { all.append((d, .directory)) }
-        var shadowed: [String] = []
-        for (name, entry) in files {
-            if dirs.contains(name) { shadowed.append(name.string) } else { all.append((name, entry)) }
+
+        public func build() -> DirectoryListing {
+            var all: [(ByteName, Entry)] = []
+            all.reserveCapacity(dirs.count + files.count)
+            for d in dirs { all.append((d, .directory)) }
+            var shadowed: [String] = []
+            for (name, entry) in files {
+                if dirs.contains(name) { shadowed.append(name.string) } else { all.append((name, entry)) }
+            }
+            all.sort { $0.0 < $1.0 }
+            return DirectoryListing(names: all.map(\.0.string), entries: all.map(\.1),
+                                    shadowedFiles: shadowed.sorted { ByteName($0) < ByteName($1) })
         }
-        all.sort { $0.0 < $1.0 }
-        names = all.map(\.0.string)
-        entries = all.map(\.1)
-        shadowedFiles = shadowed.sorted { ByteName($0) < ByteName($1) }
     }
 
     /// Entry names in byte order.

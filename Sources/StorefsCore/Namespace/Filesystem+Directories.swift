@@ -147,14 +147,14 @@ extension Filesystem {
     func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> ListingSnapshot {
         let prefix = listingPrefix(of: dirPath)
         let started = now()
-        var pages: [ListPage] = []
+        var builder = DirectoryListing.Builder(prefix: prefix)
         var token: String? = nil
         var seenTokens = Set<String>()
         var entries = 0
         do throws(StorageError) {
             repeat {
                 let page = try store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
-                pages.append(page)
+                builder.add(page)
                 entries += page.items.count + page.prefixes.count
                 token = page.nextPageToken
                 // A hostile or broken server must not hold `ls` forever, nor fill memory.
@@ -175,8 +175,7 @@ extension Filesystem {
             Log.warn("op=readdir prefix=\(prefix) error=\(error.message)")
             throw FilesystemError(error)
         }
-        let listing = DirectoryListing(prefix: prefix, pages: pages)
-        pages = []
+        let listing = builder.build()
         let snapshot = ListingSnapshot(listing, fetched: started)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
