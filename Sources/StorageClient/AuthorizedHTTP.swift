@@ -52,12 +52,17 @@ struct AuthorizedHTTP: Sendable {
     /// GET a JSON object, with retries, within the policy's time budget.
     func getJSON(_ url: String, what: String, policy: RetryPolicy? = nil,
                  isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> [String: Any] {
-        let response = try (policy ?? retry).run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
+        try Self.jsonObject(try getJSONBytes(url, what: what, policy: policy, isCancelled: isCancelled))
+    }
+
+    /// The body of a JSON answer, unparsed (listing pages are read by `ListPageParser`).
+    func getJSONBytes(_ url: String, what: String, policy: RetryPolicy? = nil,
+                      isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> [UInt8] {
+        try (policy ?? retry).run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
                 try http.get(url, headers: h, limit: Self.jsonLimit, deadline: deadline, isCancelled: isCancelled)
             }
-        }
-        return try Self.jsonObject(response.body)
+        }.body
     }
 
     /// Ranged GET into `buffer`, with retries, within the time budget.

@@ -128,43 +128,74 @@ public struct ObjectMetadata: Sendable, Equatable {
     /// pinned to): a resource without them, or with values out of range, is refused, never
     /// given a default that two objects could share.
     public static func parse(json: [String: Any], defaultBucket: String) throws(StorageError) -> ObjectMetadata {
-        guard let name = json["name"] as? String, !name.isEmpty else {
-            throw StorageError(.invalidResponse, "object resource without a name")
-        }
-        guard let size = int64(json["size"]), (0...maxSize).contains(size) else {
-            throw StorageError(.invalidResponse, "object \(name): size \(json["size"].map { "\($0)".prefix(40) } ?? "missing") is missing or out of range")
-        }
-        guard let generation = int64(json["generation"]), generation > 0 else {
-            throw StorageError(.invalidResponse, "object \(name): generation \(json["generation"].map { "\($0)".prefix(40) } ?? "missing") is missing or not positive")
-        }
-        var custom: [String: String] = [:]
+        var f = Resource()
+        f.name = json["name"] as? String
+        f.bucket = json["bucket"] as? String
+        f.size = int64(json["size"])
+        f.sizeText = json["size"].map { "\($0)" }
+        f.generation = int64(json["generation"])
+        f.generationText = json["generation"].map { "\($0)" }
+        f.metageneration = int64(json["metageneration"])
+        f.updated = json["updated"] as? String
+        f.timeCreated = json["timeCreated"] as? String
+        f.contentType = nonEmpty(json["contentType"])
+        f.contentEncoding = nonEmpty(json["contentEncoding"])
+        f.cacheControl = nonEmpty(json["cacheControl"])
+        f.md5Hash = nonEmpty(json["md5Hash"])
+        f.crc32c = nonEmpty(json["crc32c"])
+        f.downloadTokens = json["downloadTokens"] as? String
         if let m = json["metadata"] as? [String: Any] {
+            var custom: [String: String] = [:]
             for (k, v) in m {
                 if let s = v as? String { custom[k] = s } else { custom[k] = "\(v)" }
             }
+            f.custom = custom
         }
-        var tokensText = json["downloadTokens"] as? String
-        if tokensText == nil { tokensText = custom["firebaseStorageDownloadTokens"] }
-        let tokens = (tokensText ?? "").split(separator: ",").map {
-            $0.trimmingCharacters(in: .whitespaces)
-        }.filter { !$0.isEmpty }
-        let updated = (json["updated"] as? String).flatMap(Timestamp.parseRFC3339)
-            ?? (json["timeCreated"] as? String).flatMap(Timestamp.parseRFC3339)
-            ?? Timestamp(seconds: 0)
-        return ObjectMetadata(
-            name: name,
-            bucket: (json["bucket"] as? String) ?? defaultBucket,
-            size: size,
-            generation: generation,
-            metageneration: int64(json["metageneration"]) ?? 1,
-            updated: updated,
-            contentType: nonEmpty(json["contentType"]),
-            contentEncoding: nonEmpty(json["contentEncoding"]),
-            cacheControl: nonEmpty(json["cacheControl"]),
-            md5Hash: nonEmpty(json["md5Hash"]),
-            crc32c: nonEmpty(json["crc32c"]),
-            custom: custom,
-            downloadTokens: tokens)
+        return try f.metadata(defaultBucket: defaultBucket)
+    }
+
+    /// An object resource's fields as they arrived, before the checks `metadata` makes: the one
+    /// place both parsers (`JSONSerialization` trees and the listing scanner) decide.
+    struct Resource {
+        var name: String?
+        var bucket: String?
+        var size: Int64?
+        var sizeText: String?
+        var generation: Int64?
+        var generationText: String?
+        var metageneration: Int64?
+        var updated: String?
+        var timeCreated: String?
+        var contentType: String?
+        var contentEncoding: String?
+        var cacheControl: String?
+        var md5Hash: String?
+        var crc32c: String?
+        var custom: [String: String] = [:]
+        var downloadTokens: String?
+
+        func metadata(defaultBucket: String) throws(StorageError) -> ObjectMetadata {
+            guard let name, !name.isEmpty else {
+                throw StorageError(.invalidResponse, "object resource without a name")
+            }
+            guard let size, (0...ObjectMetadata.maxSize).contains(size) else {
+                throw StorageError(.invalidResponse, "object \(name): size \(sizeText.map { $0.prefix(40) } ?? "missing") is missing or out of range")
+            }
+            guard let generation, generation > 0 else {
+                throw StorageError(.invalidResponse, "object \(name): generation \(generationText.map { $0.prefix(40) } ?? "missing") is missing or not positive")
+            }
+            var tokensText = downloadTokens
+            if tokensText == nil { tokensText = custom["firebaseStorageDownloadTokens"] }
+            let tokens = (tokensText ?? "").split(separator: ",").map {
+                $0.trimmingCharacters(in: .whitespaces)
+            }.filter { !$0.isEmpty }
+            let when = updated.flatMap(Timestamp.parseRFC3339) ?? timeCreated.flatMap(Timestamp.parseRFC3339)
+                ?? Timestamp(seconds: 0)
+            return ObjectMetadata(name: name, bucket: bucket ?? defaultBucket, size: size, generation: generation,
+                                  metageneration: metageneration ?? 1, updated: when, contentType: contentType,
+                                  contentEncoding: contentEncoding, cacheControl: cacheControl, md5Hash: md5Hash,
+                                  crc32c: crc32c, custom: custom, downloadTokens: tokens)
+        }
     }
 
     private static func nonEmpty(_ v: Any?) -> String? {
@@ -200,32 +231,5 @@ public struct ListPage: Sendable {
         self.prefixes = prefixes
         self.nextPageToken = nextPageToken
         self.metadataComplete = metadataComplete
-    }
-
-    /// The three fields of a listing page, checked: a page whose `items` or `prefixes` is not a
-    /// list (of objects, of strings) is an error, never a silently shorter listing.
-    static func fields(of json: [String: Any], what: String) throws(StorageError) -> (items: [[String: Any]], prefixes: [String], token: String?) {
-        var items: [[String: Any]] = []
-        if let raw = json["items"] {
-            guard let list = raw as? [Any] else { throw StorageError(.invalidResponse, "\(what): 'items' is not a list") }
-            for case let entry in list {
-                guard let item = entry as? [String: Any] else { throw StorageError(.invalidResponse, "\(what): an item is not an object") }
-                items.append(item)
-            }
-        }
-        var prefixes: [String] = []
-        if let raw = json["prefixes"] {
-            guard let list = raw as? [Any] else { throw StorageError(.invalidResponse, "\(what): 'prefixes' is not a list") }
-            for entry in list {
-                guard let p = entry as? String else { throw StorageError(.invalidResponse, "\(what): a prefix is not a string") }
-                prefixes.append(p)
-            }
-        }
-        var token: String?
-        if let raw = json["nextPageToken"] {
-            guard let t = raw as? String else { throw StorageError(.invalidResponse, "\(what): 'nextPageToken' is not a string") }
-            token = t.isEmpty ? nil : t
-        }
-        return (items, prefixes, token)
     }
 }

@@ -83,22 +83,87 @@ import Testing
 }
 
 @Suite struct ListPageTests {
+    func parse(_ json: String, namesOnly: Bool = false) throws(StorageError) -> ListPage {
+        try ListPageParser.parse(Array(json.utf8), what: "list", defaultBucket: "b", itemsAreNamesOnly: namesOnly)
+    }
+
     @Test(arguments: [
         #"{"items": "not a list"}"#,
         #"{"items": {"name": "a"}}"#,
-        #"{"items": [{"name": "a"}, "x"]}"#,
+        #"{"items": [{"name": "a", "size": "1", "generation": "1"}, "x"]}"#,
         #"{"prefixes": ["a/", 7]}"#,
         #"{"prefixes": "a/"}"#,
         #"{"nextPageToken": 12}"#,
+        #"{"items": [{"size": "1", "generation": "1"}]}"#,
+        #"{"items": [{"name": "a", "size": "-1", "generation": "1"}]}"#,
+        #"{"items": [{"name": "a", "size": "1", "generation": "0"}]}"#,
+        #"{"items": [{"name": "a", "size": 1.5, "generation": 1}]}"#,
+        #"{"items": [{"name": "a\ud800", "size": "1", "generation": "1"}]}"#,
+        #"{"items": [{"name": "a", "size": "1", "generation": "1"}]"#,
+        #"{"items": [] } x"#,
+        "{\"items\": [{\"name\": \"a\u{01}\", \"size\": \"1\", \"generation\": \"1\"}]}",
+        #"{"prefixes": [], }"#,
+        #"[]"#,
     ])
     func aMalformedPageIsAnErrorNotAShorterListing(json: String) throws {
-        let object = try #require(try JSONSerialization.jsonObject(with: Data(json.utf8)) as? [String: Any])
-        #expect(throws: StorageError.self) { try ListPage.fields(of: object, what: "list") }
+        #expect(throws: StorageError.self) { try parse(json) }
     }
 
     @Test func absentFieldsAreAnEmptyLastPage() throws {
-        let page = try ListPage.fields(of: ["kind": "storage#objects"], what: "list")
-        #expect(page.items.isEmpty && page.prefixes.isEmpty && page.token == nil)
+        let page = try parse(#"{"kind": "storage#objects"}"#)
+        #expect(page.items.isEmpty && page.prefixes.isEmpty && page.nextPageToken == nil)
+    }
+
+    @Test func nestingIsBounded() throws {
+        let deep = String(repeating: "[", count: 100_000) + String(repeating: "]", count: 100_000)
+        #expect(throws: StorageError.self) { try parse(#"{"x": "# + deep + "}") }
+        let ok = String(repeating: "[", count: 60) + String(repeating: "]", count: 60)
+        #expect(try parse(#"{"x": "# + ok + "}").items.isEmpty)
+    }
+
+    /// The scanner and the tree parser (`JSONSerialization` + `ObjectMetadata.parse`) agree
+    /// on every field, escapes and non-ASCII names included.
+    @Test func agreesWithTheTreeParser() throws {
+        let json = #"""
+        {"kind": "storage#objects", "nextPageToken": "tok\/1",
+         "prefixes": ["d/sub/", "d/\u00e9t\u00e9/"],
+         "items": [
+          {"kind": "storage#object", "name": "d/a \"q\" \\ \/ \u00e9\ud83d\ude00\n", "bucket": "other",
+           "size": "12", "generation": "1700000000000001", "metageneration": "3",
+           "updated": "2024-05-06T07:08:09.123Z", "timeCreated": "2024-01-01T00:00:00Z",
+           "contentType": "text/plain", "contentEncoding": "", "cacheControl": "no-cache",
+           "md5Hash": "WvXEX5jvvFHBhCfGv53kLw==", "crc32c": "ezxp3g==",
+           "metadata": {"mtime": "2020-01-01T00:00:00Z", "n": 5, "flag": true, "deep": {"x": 1},
+                        "firebaseStorageDownloadTokens": "t1, t2"},
+           "owner": {"entity": "x"}, "acl": [1, [2, {"a": null}]]},
+          {"name": "d/n", "size": 7, "generation": 9, "updated": "bad"}
+         ]}
+        """#
+        let page = try parse(json)
+        let tree = try #require(try JSONSerialization.jsonObject(with: Data(json.utf8)) as? [String: Any])
+        let items = try #require(tree["items"] as? [[String: Any]])
+        var expected: [ObjectMetadata] = []
+        for item in items { expected.append(try ObjectMetadata.parse(json: item, defaultBucket: "b")) }
+        #expect(page.items.count == 2)
+        for (got, want) in zip(page.items, expected) {
+            #expect(got.name == want.name && got.bucket == want.bucket && got.size == want.size)
+            #expect(got.generation == want.generation && got.metageneration == want.metageneration)
+            #expect(got.updated == want.updated && got.contentType == want.contentType)
+            #expect(got.contentEncoding == want.contentEncoding && got.cacheControl == want.cacheControl)
+            #expect(got.md5Hash == want.md5Hash && got.crc32c == want.crc32c)
+            #expect(got.downloadTokens == want.downloadTokens)
+            #expect(got.custom["mtime"] == want.custom["mtime"] && got.custom["n"] == want.custom["n"])
+        }
+        #expect(page.items[0].name == "d/a \"q\" \\ / \u{e9}\u{1F600}\n")
+        #expect(page.prefixes == ["d/sub/", "d/\u{e9}t\u{e9}/"])
+        #expect(page.nextPageToken == "tok/1")
+    }
+
+    @Test func v0ItemsAreNamesOnly() throws {
+        let page = try parse(#"{"prefixes": ["p/"], "items": [{"name": "p/a", "bucket": "b"}], "nextPageToken": ""}"#,
+                             namesOnly: true)
+        #expect(page.items.map(\.name) == ["p/a"] && !page.metadataComplete && page.nextPageToken == nil)
+        #expect(throws: StorageError.self) { try parse(#"{"items": [{"bucket": "b"}]}"#, namesOnly: true) }
     }
 }
 

@@ -30,19 +30,12 @@ public final class FirebaseV0Store: ObjectStore {
     public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
         // maxResults is left out on purpose, as listAll() does: the server picks the page size.
         let what = "list gs://\(bucket)/\(prefix)"
-        let page = try ListPage.fields(of: try client.getJSON(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
-                                                              what: what, isCancelled: isCancelled), what: what)
-        var items: [ObjectMetadata] = []
-        for item in page.items {
-            guard let name = item["name"] as? String, !name.isEmpty else {
-                throw StorageError(.invalidResponse, "\(what): an item has no name")
-            }
-            // Names only (§2.4): size and generation come from the metadata GET that completes it.
-            items.append(ObjectMetadata(name: name, bucket: (item["bucket"] as? String) ?? bucket, size: 0,
-                                        generation: 0, updated: Timestamp(seconds: 0)))
-        }
+        let page = try ListPageParser.parse(try client.getJSONBytes(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
+                                                                    what: what, isCancelled: isCancelled),
+                                            what: what, defaultBucket: bucket, itemsAreNamesOnly: true)
+        // Names only (§2.4): size and generation come from a metadata GET when asked for.
         let prefixes = page.prefixes.map { $0.hasSuffix("/") ? $0 : $0 + "/" }
-        return ListPage(items: items, prefixes: prefixes, nextPageToken: page.token, metadataComplete: false)
+        return ListPage(items: page.items, prefixes: prefixes, nextPageToken: page.nextPageToken, metadataComplete: false)
     }
 
     public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {

@@ -6,8 +6,10 @@ public final class GCSJSONStore: ObjectStore {
     public static let defaultEndpoint = "https://storage.googleapis.com"
     /// Production caps pages at 1000 entries; fake-gcs-server's default is unlimited, so ask.
     public static let pageSize = 1000
-    static let listFields =
-        "items(name,bucket,size,generation,metageneration,updated,timeCreated,contentType,contentEncoding,cacheControl,md5Hash,crc32c,metadata),prefixes,nextPageToken"
+    /// What a listing keeps of each object (`FileRecord`: size, generation, time, crc32c;
+    /// custom metadata for mtime): the rest of the resource is fetched when an extended
+    /// attribute asks. Less text to send and to read: ~40% of a full page.
+    static let listFields = "items(name,size,generation,updated,timeCreated,crc32c,metadata),prefixes,nextPageToken"
 
     public let bucket: String
     private var endpoint: String { client.endpoint }
@@ -31,13 +33,8 @@ public final class GCSJSONStore: ObjectStore {
     public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
         let url = listURL(prefix: prefix, pageToken: pageToken, maxResults: Self.pageSize, fields: Self.listFields)
         let what = "list gs://\(bucket)/\(prefix)"
-        let page = try ListPage.fields(of: try client.getJSON(url, what: what, isCancelled: isCancelled), what: what)
-        var items: [ObjectMetadata] = []
-        items.reserveCapacity(page.items.count)
-        for item in page.items {
-            items.append(try ObjectMetadata.parse(json: item, defaultBucket: bucket))
-        }
-        return ListPage(items: items, prefixes: page.prefixes, nextPageToken: page.token)
+        return try ListPageParser.parse(try client.getJSONBytes(url, what: what, isCancelled: isCancelled), what: what,
+                                        defaultBucket: bucket)
     }
 
     public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
