@@ -194,16 +194,21 @@ func makeOperations() -> fuse_lowlevel_ops {
         let fs = context(req).fs
         let handle = fi!.pointee.fh
         answering(req) {
-            let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 32 + 1)
+            // A direntplus takes at least 152 bytes (entry_out + dirent): no more are made.
+            let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 152 + 1)
+            let sizes = entries.map { fuse_add_direntry_plus(req, nil, 0, $0.name, nil, 0) }
+            let fit = DirectoryReply.fitting(sizes, into: size)
+            // Counted as lookups only now that these entries are sure to be sent, all at once.
+            let listed = fit == 0 ? [] : try fs.lookupListed(handle, offsets: Int(off)..<(Int(off) + fit))
             var buffer = [CChar](repeating: 0, count: size)
-            let used = try buffer.withUnsafeMutableBufferPointer { out in
-                try DirectoryReply.pack(entries, into: size, entrySize: { fuse_add_direntry_plus(req, nil, 0, $0.name, nil, 0) }) { e, at in
+            var used = 0
+            buffer.withUnsafeMutableBufferPointer { out in
+                for (k, e) in entries.prefix(fit).enumerated() {
                     var param = fuse_entry_param()
-                    // Counted as a lookup only now that the entry is sure to be sent.
-                    if let listed = try fs.lookupListed(handle, at: e.nextOffset - 1) {
-                        param.ino = fuse_ino_t(listed.inode)
+                    if let a = listed[k] {
+                        param.ino = fuse_ino_t(a.inode)
                         param.generation = 1
-                        param.attr = makeStat(listed)
+                        param.attr = makeStat(a)
                         param.attr_timeout = fs.config.statTTL
                         param.entry_timeout = fs.config.statTTL
                     } else {
@@ -213,7 +218,7 @@ func makeOperations() -> fuse_lowlevel_ops {
                         param.attr.st_ino = __ino_t(e.inode)
                         param.attr.st_mode = e.kind == .directory ? S_IFDIR : S_IFREG
                     }
-                    _ = fuse_add_direntry_plus(req, out.baseAddress! + at, size - at, e.name, &param, off_t(e.nextOffset))
+                    used += fuse_add_direntry_plus(req, out.baseAddress! + used, size - used, e.name, &param, off_t(e.nextOffset))
                 }
             }
             _ = fuse_reply_buf(req, buffer, used)

@@ -45,26 +45,43 @@ extension Filesystem {
         return out
     }
 
-    /// readdirplus: the attributes of entry `offset` of an open directory, counted as a lookup
-    /// (the kernel then needs no LOOKUP per name: `ls -l` costs the one listing). nil for
-    /// `.`/`..` and for entries whose size is not known without a request (v0 listings): the
-    /// kernel gets the name alone and looks it up if it needs more, so no reference is made
-    /// that nobody asked for.
-    public func lookupListed(_ handle: UInt64, at offset: Int) throws(FilesystemError) -> FileAttributes? {
+    /// readdirplus: the attributes of the entries at `offsets` of an open directory, each
+    /// counted as a lookup (the kernel then needs no LOOKUP per name: `ls -l` costs the one
+    /// listing). Called only for the entries that fit in the reply, all at once (one lock).
+    /// nil for `.`/`..` and for entries whose size is not known without a request (v0
+    /// listings): the kernel gets the name alone and looks it up if it needs more, so no
+    /// reference is made that nobody asked for.
+    public func lookupListed(_ handle: UInt64, offsets: Range<Int>) throws(FilesystemError) -> [FileAttributes?] {
         let (path, _, snapshot) = try directorySnapshot(handle)
-        guard offset >= 2, offset - 2 < snapshot.listing.count else { return nil }
-        let name = snapshot.listing.names[offset - 2]
-        let childPath = Self.join(path, name)
-        switch snapshot.listing.entries[offset - 2] {
-        case .directory: return register(path: childPath, kind: .directory, fetched: snapshot.fetched, countLookup: true)
-        case .file(let r): return register(path: childPath, kind: .file(r), fetched: snapshot.fetched, countLookup: true)
-        case .unsizedFile:
-            let t = now()
-            guard case .file(let r)? = known.withLock({ $0.lookup(ByteName(childPath), now: t, ttl: config.statTTL)?.known }) else {
-                return nil
+        let listing = snapshot.listing
+        let t = now()
+        var wanted: [(Int, String, Node.Kind)] = []
+        wanted.reserveCapacity(offsets.count)
+        for offset in offsets where offset >= 2 && offset - 2 < listing.count {
+            let childPath = Self.join(path, listing.names[offset - 2])
+            switch listing.entries[offset - 2] {
+            case .directory: wanted.append((offset, childPath, .directory))
+            case .file(let r): wanted.append((offset, childPath, .file(r)))
+            case .unsizedFile:
+                if case .file(let r)? = known.withLock({ $0.lookup(ByteName(childPath), now: t, ttl: config.statTTL)?.known }) {
+                    wanted.append((offset, childPath, .file(r)))
+                }
             }
-            return register(path: childPath, kind: .file(r), fetched: t, countLookup: true)
         }
+        let registered = table.withLock { tb in
+            wanted.map { (offset, childPath, kind) in
+                (offset, tb.upsert(path: childPath, kind: kind, at: snapshot.fetched > -.infinity ? snapshot.fetched : t,
+                                   countLookup: true))
+            }
+        }
+        var out = [FileAttributes?](repeating: nil, count: offsets.count)
+        for (offset, (inode, node)) in registered { out[offset - offsets.lowerBound] = attributes(inode, node) }
+        return out
+    }
+
+    /// readdirplus of one entry (see `lookupListed(_:offsets:)`).
+    public func lookupListed(_ handle: UInt64, at offset: Int) throws(FilesystemError) -> FileAttributes? {
+        try lookupListed(handle, offsets: offset..<(offset + 1))[0]
     }
 
     func directorySnapshot(_ handle: UInt64) throws(FilesystemError) -> (String, UInt64, ListingSnapshot) {
