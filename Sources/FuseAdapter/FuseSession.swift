@@ -16,11 +16,14 @@ public enum FuseSession {
         public var debug: Bool
         /// Extra `-o` options for libfuse (allow_other, default_permissions, fsname=…).
         public var fuseOptions: [String]
+        /// Kernel mount flags: `exec`/`noexec`, `suid`/`nosuid`, `dev`/`nodev`.
+        public var mountFlags: [String]
         public var readWorkers: Int
         public var maxThreads: Int
 
         public init(mountpoint: String, fsname: String, foreground: Bool, debug: Bool, fuseOptions: [String],
-                    readWorkers: Int = 16, maxThreads: Int = 32) {
+                    mountFlags: [String] = ["exec", "nosuid", "nodev"], readWorkers: Int = 16, maxThreads: Int = 32) {
+            self.mountFlags = mountFlags
             self.mountpoint = mountpoint
             self.fsname = fsname
             self.foreground = foreground
@@ -46,9 +49,10 @@ public enum FuseSession {
         }
         options += settings.fuseOptions.filter { $0 != "default_permissions" }
         // Values are escaped for libfuse's own splitting, so `fsname=x\,suid` stays one value
-        // and cannot smuggle a mount flag in; and nosuid/nodev come last, so nothing before
-        // them can undo them.
-        options = options.map(Self.escapeOption) + ["nosuid", "nodev"]
+        // and cannot smuggle a mount flag in; the mount flags chosen come last, so nothing
+        // before them can undo them.
+        let flags = settings.mountFlags.filter { ["exec", "noexec", "suid", "nosuid", "dev", "nodev"].contains($0) }
+        options = options.map(Self.escapeOption) + flags
         var argvStrings = ["storefs", "-o", options.joined(separator: ",")]
         if settings.debug { argvStrings.append("-d") }
         let argv = UnsafeMutablePointer<UnsafeMutablePointer<CChar>?>.allocate(capacity: argvStrings.count + 1)

@@ -18,17 +18,27 @@ public final class DownloadURL: Sendable {
         case off
     }
 
-    /// Origin of token URLs: the mount's own Firebase endpoint on the v0 protocol.
+    /// Origin of token URLs: the mount's own Firebase endpoint on the v0 protocol, or its
+    /// endpoint when that is not Google's (an emulator serves both APIs on one origin).
     public let tokenHost: String
+    /// Origin of public URLs: `storage.googleapis.com` (`/BUCKET/OBJECT`), or the mount's
+    /// endpoint when that is not Google's, as a JSON API media URL (which any GCS-API server,
+    /// an emulator included, serves).
+    public let publicHost: String
     public let signer: URLSigner?
     public let access: Access
     public let ownerUID: UInt32
     private let signed = Mutex([String: (url: String, until: Int64)]())
 
-    public init(tokenHost: String = firebaseHost, signer: URLSigner? = nil, access: Access = .owner, ownerUID: UInt32 = 0) {
-        var h = tokenHost
-        while h.hasSuffix("/") { h.removeLast() }
-        self.tokenHost = h
+    public init(tokenHost: String = firebaseHost, publicHost: String = publicHost, signer: URLSigner? = nil,
+                access: Access = .owner, ownerUID: UInt32 = 0) {
+        func trimmed(_ host: String) -> String {
+            var h = host
+            while h.hasSuffix("/") { h.removeLast() }
+            return h
+        }
+        self.tokenHost = trimmed(tokenHost)
+        self.publicHost = trimmed(publicHost)
         self.signer = signer
         self.access = access
         self.ownerUID = ownerUID
@@ -47,15 +57,18 @@ public final class DownloadURL: Sendable {
         "\(host)/v0/b/\(ObjectName.encode(meta.bucket))/o/\(ObjectName.encode(meta.name))?alt=media&token=\(ObjectName.encode(token))"
     }
 
-    public static func publicURL(_ meta: ObjectMetadata) -> String {
-        "\(publicHost)/\(ObjectName.encode(meta.bucket))/\(ObjectName.encode(meta.name, keepingSlash: true))"
+    public static func publicURL(_ meta: ObjectMetadata, host: String = publicHost) -> String {
+        if host != publicHost {
+            return "\(host)/download/storage/v1/b/\(ObjectName.encode(meta.bucket))/o/\(ObjectName.encode(meta.name))?alt=media"
+        }
+        return "\(host)/\(ObjectName.encode(meta.bucket))/\(ObjectName.encode(meta.name, keepingSlash: true))"
     }
 
     /// The URL for an object. A signed URL is reused for half its lifetime, so that the size
     /// query and the read of one getxattr see the same string.
     public func url(for meta: ObjectMetadata) -> String {
         if let token = meta.downloadTokens.first { return Self.tokenURL(meta, token: token, host: tokenHost) }
-        guard let signer else { return Self.publicURL(meta) }
+        guard let signer else { return Self.publicURL(meta, host: publicHost) }
         let key = "\(meta.bucket)\u{0}\(meta.name)\u{0}\(meta.generation)"
         let now = Int64(Date().timeIntervalSince1970)
         if let hit = signed.withLock({ $0[key] }), hit.until > now { return hit.url }
@@ -68,7 +81,7 @@ public final class DownloadURL: Sendable {
             return url
         } catch {
             Log.warn("cannot sign a download URL for \(meta.name): \(error.message)")
-            return Self.publicURL(meta)
+            return Self.publicURL(meta, host: publicHost)
         }
     }
 }

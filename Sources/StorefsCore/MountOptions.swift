@@ -9,7 +9,17 @@ import StorageClient
 /// else is an error that names the option.
 public struct MountOptions: Sendable, Equatable {
     public var source: StorageReference
+    /// SOURCE exactly as written: the kernel's source (`fsname`), so mount(8) finds the fstab
+    /// entry mounted and `mount -a` is idempotent.
+    public var sourceText: String
     public var mountpoint: String
+    /// Kernel mount flags (mount(8)'s exec/noexec, suid/nosuid, dev/nodev; the last one
+    /// given wins). Defaults as FUSE's: executables run, no setuid, no device files.
+    public var exec = true
+    public var suid = false
+    public var dev = false
+    /// Mount over a non-empty directory (hiding what is in it).
+    public var nonempty = false
     public var foreground = false
     public var debug = false
     public enum StorageProtocol: String, Sendable { case gcs, firebase }
@@ -55,8 +65,8 @@ public struct MountOptions: Sendable, Equatable {
     public var offline = Offline.auto
     public var uid: UInt32?
     public var gid: UInt32?
-    public var fileMode: UInt32 = 0o444
-    public var dirMode: UInt32 = 0o555
+    public var fileMode: UInt32 = 0o644
+    public var dirMode: UInt32 = 0o755
     public var allowOther = false
     public var logLevel: LogLevel = .info
     /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
@@ -75,7 +85,7 @@ public struct MountOptions: Sendable, Equatable {
 
     /// mount(8) / mount.fuse3 options that mean nothing to a read-only FUSE daemon.
     static let ignored: Set<String> = [
-        "rw", "ro", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "auto", "noauto",
+        "rw", "ro", "auto", "noauto",
         "user", "nouser", "users", "_netdev", "nofail", "defaults", "async", "sync", "atime",
         "noatime", "relatime", "norelatime", "strictatime", "diratime", "nodiratime", "loud", "silent",
     ]
@@ -122,11 +132,13 @@ public struct MountOptions: Sendable, Equatable {
           -o metadata_cache_size=N  names remembered beyond what the kernel holds: listing entries
                              and looked-up paths, each at most N, ~100 bytes a name (default 262144)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
-          -o file_mode=OCTAL mode of files (default 0444); dir_mode=OCTAL for directories (default 0555);
+          -o file_mode=OCTAL mode of files (default 0644); dir_mode=OCTAL for directories (default 0755);
                              permission bits only (no setuid, setgid or sticky bit)
           -o allow_other     let other users see the mount
           -o log_level=L     error, warn, info (default), debug, trace
-        mount(8) options such as rw, ro, dev, suid, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
+          -o noexec,nosuid,nodev / exec,suid,dev  kernel mount flags (default exec,nosuid,nodev)
+          -o nonempty        mount over a non-empty directory (hiding its contents)
+        mount(8) options such as rw, ro, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
         See storefs(8).
         """
 
@@ -170,7 +182,7 @@ public struct MountOptions: Sendable, Equatable {
         } catch {
             throw ParseError(message: error.message)
         }
-        var o = MountOptions(source: source, mountpoint: positionals[1])
+        var o = MountOptions(source: source, sourceText: positionals[0], mountpoint: positionals[1])
         o.foreground = foreground
         o.debug = debug
         if debug { o.logLevel = .debug }
@@ -184,6 +196,10 @@ public struct MountOptions: Sendable, Equatable {
             case "endpoint":
                 o.endpoint = try url(key, value)
             case "anonymous": try flag(key, value); o.anonymous = true
+            case "exec", "noexec": try flag(key, value); o.exec = key == "exec"
+            case "suid", "nosuid": try flag(key, value); o.suid = key == "suid"
+            case "dev", "nodev": try flag(key, value); o.dev = key == "dev"
+            case "nonempty": try flag(key, value); o.nonempty = true
             case "token_file": o.tokenFile = try require(key, value)
             case "protocol":
                 o.storageProtocol = try choice(key, value, "gcs or firebase") { StorageProtocol(rawValue: $0.lowercased()) }

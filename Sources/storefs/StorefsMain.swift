@@ -86,8 +86,21 @@ enum StorefsMain {
         let mountpoint = String(cString: resolved)
         free(resolved)
         var st = stat()
-        guard stat(mountpoint, &st) == 0, st.st_mode & S_IFMT == S_IFDIR else {
+        guard stat(mountpoint, &st) == 0 else {
+            let err = errno
+            if err == ENOTCONN {
+                return fail("mountpoint \(mountpoint) is a dead FUSE mount (its daemon was killed): run fusermount3 -u \(mountpoint), then mount again")
+            }
+            return fail("mountpoint \(mountpoint): \(String(cString: strerror(err)))")
+        }
+        guard st.st_mode & S_IFMT == S_IFDIR else {
             return fail("mountpoint \(mountpoint) is not a directory")
+        }
+        if let live = mountedAt(mountpoint) {
+            return fail("mountpoint \(mountpoint) is already a mount point (\(live)): unmount it first (umount \(mountpoint))")
+        }
+        if !o.nonempty, isNonEmptyDirectory(mountpoint) {
+            return fail("mountpoint \(mountpoint) is not empty: the mount would hide its contents; give -o nonempty to mount over it anyway")
         }
 
         let env = ProcessInfoEnvironment.current()
@@ -112,7 +125,14 @@ enum StorefsMain {
             return fail(error.message)
         }
 
-        let urls = DownloadURL(tokenHost: o.storageProtocol == .firebase ? o.resolvedEndpoint : DownloadURL.firebaseHost,
+        // Download URLs point where the mount reads: Google's hosts for Google's endpoints, the
+        // mount's own endpoint otherwise (an emulator, a proxy) (README, "Download URLs").
+        let googles = [GCSJSONStore.defaultEndpoint, FirebaseV0Store.defaultEndpoint]
+        var endpoint = o.resolvedEndpoint
+        while endpoint.hasSuffix("/") { endpoint.removeLast() }
+        let isGoogle = googles.contains(endpoint)
+        let urls = DownloadURL(tokenHost: o.storageProtocol == .firebase || !isGoogle ? o.resolvedEndpoint : DownloadURL.firebaseHost,
+                               publicHost: isGoogle ? DownloadURL.publicHost : o.resolvedEndpoint,
                                signer: choice.signer, access: o.urlAccess, ownerUID: getuid())
         let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
@@ -155,9 +175,11 @@ enum StorefsMain {
             fs.startOffline(offlineBecause)
             Log.warn("\(offlineBecause.message): mounting offline from what \(cacheDir) holds (offline=auto); uncached reads fail with EIO until the bucket answers")
         }
-        let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.source.description,
+        let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.sourceText,
                                             foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,
-                                            fuseOptions: o.fuseOptions)
+                                            fuseOptions: o.fuseOptions,
+                                            mountFlags: [o.exec ? "exec" : "noexec", o.suid ? "suid" : "nosuid",
+                                                         o.dev ? "dev" : "nodev"])
         do {
             return try FuseSession.run(fs, settings, ready: { MemoryReturn.startTrimming() })
         } catch {
@@ -186,3 +208,40 @@ enum ProcessInfoEnvironment {
         return env
     }
 }
+
+/// What is mounted at `path` ("fuse.storefs gs://b"), if `path` is a mount point
+/// (`/proc/self/mountinfo`, whose paths escape space, tab, newline and `\` as octal).
+func mountedAt(_ path: String) -> String? {
+    guard let info = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return nil }
+    var escaped: [UInt8] = []
+    for b in path.utf8 {
+        switch b {
+        case 0x20, 0x09, 0x0A, 0x5C: escaped += Array(("\\" + String(b, radix: 8).leftPadded(to: 3)).utf8)
+        default: escaped.append(b)
+        }
+    }
+    for line in info.split(separator: "\n") {
+        let fields = line.split(separator: " ")
+        guard fields.count > 4, fields[4].utf8.elementsEqual(escaped) else { continue }
+        let rest = line.components(separatedBy: " - ")
+        let tail = rest.count > 1 ? rest[1].split(separator: " ") : []
+        return tail.count >= 2 ? "\(tail[0]) \(tail[1])" : "mounted"
+    }
+    return nil
+}
+
+/// Whether the directory has any entry besides `.` and `..`.
+func isNonEmptyDirectory(_ path: String) -> Bool {
+    guard let dir = opendir(path) else { return false }
+    defer { closedir(dir) }
+    while let e = readdir(dir) {
+        let name = withUnsafeBytes(of: e.pointee.d_name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
+        if name != "." && name != ".." { return true }
+    }
+    return false
+}
+
+private extension String {
+    func leftPadded(to n: Int) -> String { String(repeating: "0", count: max(0, n - count)) + self }
+}
+

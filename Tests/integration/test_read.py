@@ -114,18 +114,18 @@ def test_mtime_is_object_updated_time(mount, corpus):
         assert abs(got - want) < 1.0, f"{name}: st_mtime {got} vs updated {want}"
 
 
-def test_default_modes_regular_0444_dirs_0555(mount, corpus):
+def test_default_modes_regular_0644_dirs_0755(mount, corpus):
     m = mount()
     root = os.stat(m.path)
-    assert stat.S_ISDIR(root.st_mode) and stat.S_IMODE(root.st_mode) == 0o555
+    assert stat.S_ISDIR(root.st_mode) and stat.S_IMODE(root.st_mode) == 0o755
     for d in ["files", "odd", "empty", "implicit", "implicit/deep", "clash", "dir1500"]:
         st = os.stat(m.p(d))
         assert stat.S_ISDIR(st.st_mode), d
-        assert stat.S_IMODE(st.st_mode) == 0o555, (d, oct(st.st_mode))
+        assert stat.S_IMODE(st.st_mode) == 0o755, (d, oct(st.st_mode))
     for f in ["files/hello.txt", corpus.ZERO, corpus.BIG, "clash/inner.txt", "odd/a+b.txt"]:
         st = os.lstat(m.p(f))
         assert stat.S_ISREG(st.st_mode), f
-        assert stat.S_IMODE(st.st_mode) == 0o444, (f, oct(st.st_mode))
+        assert stat.S_IMODE(st.st_mode) == 0o644, (f, oct(st.st_mode))
 
 
 def test_mode_and_owner_options(mount, corpus):

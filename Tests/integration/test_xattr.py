@@ -3,6 +3,7 @@
 import ctypes
 import errno
 import os
+import urllib.request
 
 from gcs_emulator import quote_name
 from storefs_testlib import BUCKET, errname, errno_of
@@ -14,24 +15,26 @@ def _get(path, name):
     return os.getxattr(path, name).decode()
 
 
-def test_download_url_with_firebase_token(mount, corpus):
+# The emulator is not Google's endpoint: download URLs point at it (README, "Download URLs"),
+# so a public URL handed out can be fetched from where the mount reads.
+
+def test_download_url_with_firebase_token(mount, corpus, emulator):
     m = mount()
     name = corpus.TOKEN   # "meta/with token.txt", tokens "tok-1,tok-2"
     assert (_get(m.p(name), P + "download_url")
-            == "https://firebasestorage.googleapis.com/v0/b/test-bucket/o/"
+            == f"{emulator.endpoint}/v0/b/test-bucket/o/"
                "meta%2Fwith%20token.txt?alt=media&token=tok-1")
 
 
-def test_download_url_without_token_is_public_gcs_url(mount, corpus):
+def test_download_url_without_token_is_public_url_of_the_endpoint(mount, corpus, emulator):
     m = mount()
     assert (_get(m.p(corpus.PLAIN), P + "download_url")
-            == "https://storage.googleapis.com/test-bucket/meta/plain%20file%2Bx.txt")
-    for name in ["odd/ünïcødé-日本.txt", "odd/hash#tag.txt", "odd/100%.txt", "odd/what?.txt"]:
-        assert (_get(m.p(name), P + "download_url")
-                == f"https://storage.googleapis.com/{BUCKET}/{quote_name(name, keep_slash=True)}")
-    assert (_get(m.p("odd/ünïcødé-日本.txt"), P + "download_url")
-            == "https://storage.googleapis.com/test-bucket/odd/"
-               "%C3%BCn%C3%AFc%C3%B8d%C3%A9-%E6%97%A5%E6%9C%AC.txt")
+            == f"{emulator.endpoint}/download/storage/v1/b/test-bucket/o/meta%2Fplain%20file%2Bx.txt?alt=media")
+    for name in [corpus.PLAIN, "odd/ünïcødé-日本.txt", "odd/hash#tag.txt", "odd/100%.txt", "odd/what?.txt"]:
+        url = _get(m.p(name), P + "download_url")
+        assert url == f"{emulator.endpoint}/download/storage/v1/b/{BUCKET}/o/{quote_name(name)}?alt=media"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.read() == corpus.data[name], f"{url} does not serve {name}"
 
 
 def test_object_attributes(mount, corpus):

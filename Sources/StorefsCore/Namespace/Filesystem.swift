@@ -40,7 +40,7 @@ public final class Filesystem: Sendable {
         public var metadataCacheSize: Int
 
         public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
-                    gid: UInt32 = getgid(), fileMode: UInt32 = 0o444, dirMode: UInt32 = 0o555,
+                    gid: UInt32 = getgid(), fileMode: UInt32 = 0o644, dirMode: UInt32 = 0o755,
                     downloadURL: DownloadURL = DownloadURL(ownerUID: getuid()), metadataParallelism: Int = 16,
                     listingPrefetch: Int = 0, metadataCacheSize: Int = Filesystem.defaultMetadataCacheSize) {
             self.downloadURL = downloadURL
