@@ -67,10 +67,18 @@ private func requester(_ req: fuse_req_t?) -> UInt32 {
     fuse_req_ctx(req)?.pointee.uid ?? UInt32.max
 }
 
+func fileType(_ kind: FileAttributes.Kind) -> mode_t {
+    switch kind {
+    case .directory: return S_IFDIR
+    case .file: return S_IFREG
+    case .symlink: return S_IFLNK
+    }
+}
+
 func makeStat(_ a: FileAttributes) -> stat {
     var st = stat()
     st.st_ino = __ino_t(a.inode)
-    st.st_mode = (a.kind == .directory ? S_IFDIR : S_IFREG) | mode_t(a.mode)
+    st.st_mode = fileType(a.kind) | mode_t(a.mode)
     st.st_nlink = __nlink_t(a.linkCount)
     st.st_uid = a.uid
     st.st_gid = a.gid
@@ -115,6 +123,8 @@ func makeOperations() -> fuse_lowlevel_ops {
         conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_AUTO_INVAL_DATA)
+        // The kernel keeps a symlink's target in its page cache (stat_ttl bounds it, as data).
+        conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_CACHE_SYMLINKS)
         Log.debug("fuse init capable=0x\(String(conn.pointee.capable, radix: 16)) want=0x\(String(conn.pointee.want, radix: 16))")
     }
 
@@ -161,6 +171,14 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
+    ops.readlink = { req, ino in
+        let fs = context(req).fs
+        withMetadata(req) { network, req in
+            let target = try fs.readLink(UInt64(ino), network: network)
+            _ = fuse_reply_readlink(req, target)
+        }
+    }
+
     ops.opendir = { req, ino, fi in
         let fs = context(req).fs
         let copy = FileInfo(info: fi!.pointee)
@@ -182,7 +200,7 @@ func makeOperations() -> fuse_lowlevel_ops {
                 try DirectoryReply.pack(entries, into: size, entrySize: { fuse_add_direntry(req, nil, 0, $0.name, nil, 0) }) { e, at in
                     var st = stat()
                     st.st_ino = __ino_t(e.inode)
-                    st.st_mode = e.kind == .directory ? S_IFDIR : S_IFREG
+                    st.st_mode = fileType(e.kind)
                     _ = fuse_add_direntry(req, out.baseAddress! + at, size - at, e.name, &st, off_t(e.nextOffset))
                 }
             }
@@ -216,7 +234,7 @@ func makeOperations() -> fuse_lowlevel_ops {
                         // ino 0 = no attributes, no kernel reference; it looks the name up
                         // if it needs more (a `find` never does).
                         param.attr.st_ino = __ino_t(e.inode)
-                        param.attr.st_mode = e.kind == .directory ? S_IFDIR : S_IFREG
+                        param.attr.st_mode = fileType(e.kind)
                     }
                     used += fuse_add_direntry_plus(req, out.baseAddress! + used, size - used, e.name, &param, off_t(e.nextOffset))
                 }

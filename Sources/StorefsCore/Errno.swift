@@ -19,6 +19,7 @@ public enum Errno {
         case .bufferTooSmall: return ERANGE
         case .staleHandle: return EBADF
         case .invalidArgument: return EINVAL
+        case .isSymlink: return ELOOP            // open of a symlink (the kernel follows them itself)
         case .wouldBlock: return EAGAIN          // retried on a worker by the adapter, never replied
         }
     }

@@ -2,7 +2,7 @@ import StorageClient
 
 /// What `stat` shows for an inode, independent of FUSE.
 public struct FileAttributes: Sendable, Equatable {
-    public enum Kind: Sendable, Equatable { case file, directory }
+    public enum Kind: Sendable, Equatable { case file, directory, symlink }
 
     public var inode: UInt64
     public var kind: Kind

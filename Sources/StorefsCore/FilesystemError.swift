@@ -23,6 +23,9 @@ public struct FilesystemError: Error, Sendable, CustomStringConvertible {
         /// An inode or handle number the filesystem does not know (a kernel/adapter bug).
         case staleHandle
         case invalidArgument
+        /// An operation on a symbolic link that only files allow (open), or readlink of a
+        /// file.
+        case isSymlink
         /// The answer needs the bucket and the caller said `Network.never` (a FUSE thread):
         /// the adapter asks again from a metadata worker. Never replied to the kernel.
         case wouldBlock

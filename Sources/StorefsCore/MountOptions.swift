@@ -65,6 +65,11 @@ public struct MountOptions: Sendable, Equatable {
     public var offline = Offline.auto
     public var uid: UInt32?
     public var gid: UInt32?
+    public var fileModeGiven = false
+    /// Honour `goog-reserved-posix-mode/uid/gid` (README, "Compatibility").
+    public var posixMetadata = true
+    /// Show gcsfuse's symlink objects as symbolic links.
+    public var symlinks = true
     public var fileMode: UInt32 = 0o644
     public var dirMode: UInt32 = 0o755
     public var allowOther = false
@@ -132,6 +137,8 @@ public struct MountOptions: Sendable, Equatable {
           -o metadata_cache_size=N  names remembered beyond what the kernel holds: listing entries
                              and looked-up paths, each at most N, ~100 bytes a name (default 262144)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
+          -o posix_metadata=on|off  modes and owners from gsutil -P / --preserve-posix metadata (default on)
+          -o symlinks=on|off gcsfuse's symlink objects are symbolic links (default on)
           -o file_mode=OCTAL mode of files (default 0644); dir_mode=OCTAL for directories (default 0755);
                              permission bits only (no setuid, setgid or sticky bit)
           -o allow_other     let other users see the mount
@@ -242,7 +249,11 @@ public struct MountOptions: Sendable, Equatable {
                 o.metadataCacheSize = try integer(key, value, 1024...100_000_000, "a whole number of names from 1024 to 100000000")
             case "uid": o.uid = try id(key, value)
             case "gid": o.gid = try id(key, value)
-            case "file_mode": o.fileMode = try mode(key, value)
+            case "file_mode": o.fileMode = try mode(key, value); o.fileModeGiven = true
+            case "posix_metadata":
+                o.posixMetadata = try choice(key, value, "on or off") { ["on": true, "off": false][$0.lowercased()] }
+            case "symlinks":
+                o.symlinks = try choice(key, value, "on or off") { ["on": true, "off": false][$0.lowercased()] }
             case "dir_mode": o.dirMode = try mode(key, value)
             case "log_level":
                 o.logLevel = try choice(key, value, "one of error, warn, info, debug, trace") { LogLevel(name: $0) }

@@ -134,10 +134,14 @@ enum StorefsMain {
         let urls = DownloadURL(tokenHost: o.storageProtocol == .firebase || !isGoogle ? o.resolvedEndpoint : DownloadURL.firebaseHost,
                                publicHost: isGoogle ? DownloadURL.publicHost : o.resolvedEndpoint,
                                signer: choice.signer, access: o.urlAccess, ownerUID: getuid())
-        let config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
+        var config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
                                        fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls,
                                        listingPrefetch: o.listAhead, metadataCacheSize: o.metadataCacheSize)
+        config.posixMetadata = o.posixMetadata
+        config.fileModeGiven = o.fileModeGiven
+        config.ownerGiven = o.uid != nil || o.gid != nil
+        config.symlinks = o.symlinks
         guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
                                                                           bucket: o.source.bucket, prefix: o.source.prefix) else {
             return fail("no home directory to keep the block cache in: give one with -o cache_dir=DIR")

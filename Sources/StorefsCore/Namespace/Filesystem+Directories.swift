@@ -36,8 +36,12 @@ extension Filesystem {
                                           nextOffset: i + 1))
                 continue
             }
-            let entry = snapshot.listing.entries[i - 2]
-            let kind: FileAttributes.Kind = entry == .directory ? .directory : .file
+            let kind: FileAttributes.Kind
+            switch snapshot.listing.entries[i - 2] {
+            case .directory: kind = .directory
+            case .file(let r): kind = isSymlink(r) ? .symlink : .file
+            case .unsizedFile: kind = .file
+            }
             let k = i - max(2, start)
             out.append(DirectoryEntry(name: names[i - 2], inode: known[k] ?? Self.inodeNumber(paths[k].string), kind: kind,
                                       nextOffset: i + 1))

@@ -19,6 +19,7 @@ extension Filesystem {
             throw FilesystemError(.staleHandle, "unknown inode \(inode)")
         }
         guard case .file(let record) = node.kind else { throw FilesystemError(.isDirectory, "\(node.path) is a directory") }
+        if isSymlink(record) { throw FilesystemError(.isSymlink, "\(node.path) is a symbolic link") }
         // An inode whose object was replaced or deleted opens nothing: ESTALE makes the kernel
         // look the name up again (LOOKUP_REVAL) and open what the bucket holds now, within
         // this same open(2) (README, "Namespace semantics": overwrites).
@@ -92,6 +93,39 @@ extension Filesystem {
         return window.count
     }
 
+
+    /// The target of a symbolic link (gcsfuse's two forms, `FileRecord.SymlinkStyle`): from
+    /// the object's custom metadata, or its bytes (at most 4096: PATH_MAX).
+    public func readLink(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> String {
+        _ = try attributes(of: inode, network: network)
+        guard let node = table.withLock({ $0.nodes[inode] }) else { throw FilesystemError(.staleHandle, "unknown inode \(inode)") }
+        guard case .file(let record) = node.kind, isSymlink(record) else {
+            throw FilesystemError(.invalidArgument, "\(node.path) is not a symbolic link")
+        }
+        switch record.symlink {
+        case .targetInMetadata?:
+            guard let target = try fullObject(node.path, record, network: network).custom[FileRecord.legacySymlinkKey] else {
+                throw FilesystemError(.storage(.generationChanged), "\(node.path): no longer a symbolic link")
+            }
+            return target
+        default:
+            guard record.size <= 4096 else {
+                throw FilesystemError(.storage(.invalidResponse), "\(node.path): symbolic link target longer than 4096 bytes")
+            }
+            guard case .allowed(let isCancelled) = network else {
+                throw FilesystemError(.wouldBlock, "target of \(node.path) needs the bucket")
+            }
+            var bytes = [UInt8](repeating: 0, count: Int(record.size))
+            let name = objectName(of: node.path)
+            let result = bytes.withUnsafeMutableBytes { b in
+                Result { () throws(StorageError) in
+                    if b.count > 0 { try store.read(name, generation: record.generation, offset: 0, into: b, isCancelled: isCancelled) }
+                }
+            }
+            if case .failure(let error) = result { throw FilesystemError(error) }
+            return String(decoding: bytes, as: UTF8.self)
+        }
+    }
 
     public func release(_ handle: UInt64) {
         let closed = handles.withLock { $0.open.removeValue(forKey: handle) }

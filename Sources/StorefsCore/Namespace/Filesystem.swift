@@ -38,6 +38,14 @@ public final class Filesystem: Sendable {
         /// Records of names kept beyond what the kernel references: listing entries, and
         /// looked-up paths (each at most this many). `metadata_cache_size=`.
         public var metadataCacheSize: Int
+        /// Honour `goog-reserved-posix-*` metadata (`posix_metadata=`).
+        public var posixMetadata = true
+        /// `file_mode=` was given: it masks the objects' POSIX modes.
+        public var fileModeGiven = false
+        /// `uid=`/`gid=` were given: they win over the objects' POSIX owners.
+        public var ownerGiven = false
+        /// Show gcsfuse's symlink objects as symlinks (`symlinks=`).
+        public var symlinks = true
 
         public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
                     gid: UInt32 = getgid(), fileMode: UInt32 = 0o644, dirMode: UInt32 = 0o755,
@@ -234,10 +242,26 @@ public final class Filesystem: Sendable {
             return FileAttributes(inode: inode, kind: .directory, size: 4096, mode: config.dirMode, uid: config.uid,
                                   gid: config.gid, modified: mountTime, linkCount: 2)
         case .file(let record):
-            return FileAttributes(inode: inode, kind: .file, size: record.size, mode: config.fileMode, uid: config.uid,
-                                  gid: config.gid, modified: record.modified, linkCount: 1)
+            if isSymlink(record) {
+                return FileAttributes(inode: inode, kind: .symlink, size: record.symlinkSize, mode: 0o777, uid: config.uid,
+                                      gid: config.gid, modified: record.modified, linkCount: 1)
+            }
+            var mode = config.fileMode, uid = config.uid, gid = config.gid
+            // README, "Compatibility": the uploader's mode, masked by an explicit file_mode=; its
+            // owner when root mounts and no uid=/gid= says otherwise.
+            if config.posixMetadata {
+                if let m = record.posixMode { mode = config.fileModeGiven ? UInt32(m) & config.fileMode : UInt32(m) }
+                if !config.ownerGiven && getuid() == 0 {
+                    uid = record.posixUID ?? uid
+                    gid = record.posixGID ?? gid
+                }
+            }
+            return FileAttributes(inode: inode, kind: .file, size: record.size, mode: mode & 0o777, uid: uid,
+                                  gid: gid, modified: record.modified, linkCount: 1)
         }
     }
+
+    func isSymlink(_ record: FileRecord) -> Bool { config.symlinks && record.symlink != nil }
 
     func directoryPath(_ inode: UInt64) throws(FilesystemError) -> String {
         guard let node = table.withLock({ $0.nodes[inode] }) else {

@@ -15,7 +15,7 @@ import Synchronization
 public final class NamespaceStore: Sendable {
     static let versionName = "ns-v1"
     static let magic: [UInt8] = Array("storefs-namespace\n".utf8)
-    static let formatVersion: UInt32 = 1
+    static let formatVersion: UInt32 = 2
     /// Largest log read at mount; past it appends of listings stop (files go on).
     static let maxLogBytes = 256 << 20
     /// Largest listing written (entries).
@@ -256,6 +256,11 @@ public final class NamespaceStore: Sendable {
         let crc = Array((r.crc32c ?? "").utf8.prefix(15))
         out.append(UInt8(crc.count))
         out += crc
+        withUnsafeBytes(of: (r.posixMode ?? 0xFFFF).littleEndian) { out += $0 }
+        put(u32: r.posixUID ?? .max, &out)
+        put(u32: r.posixGID ?? .max, &out)
+        out.append(r.symlink?.rawValue ?? 0)
+        withUnsafeBytes(of: r.metadataTargetLength.littleEndian) { out += $0 }
     }
 
     static func digest(_ l: DirectoryListing) -> UInt64 {
@@ -337,10 +342,17 @@ struct RecordReader {
               crcLength <= 15, Int(crcLength) <= bytes.count - offset else { return nil }
         let crc = String(decoding: bytes[offset..<(offset + Int(crcLength))], as: UTF8.self)
         offset += Int(crcLength)
+        guard let modeLow = u8(), let modeHigh = u8(), let uid = u32(), let gid = u32(), let link = u8(),
+              let lengthLow = u8(), let lengthHigh = u8() else { return nil }
+        let mode = UInt16(modeLow) | UInt16(modeHigh) << 8
         let s = Int64(bitPattern: size), g = Int64(bitPattern: generation)
         guard (0...ObjectMetadata.maxSize).contains(s), g > 0 else { return nil }
-        return FileRecord(size: s, generation: g, modified: Timestamp(seconds: Int64(bitPattern: seconds), nanoseconds: Int32(bitPattern: nanos)),
-                          crc32c: crc.isEmpty ? nil : crc)
+        var r = FileRecord(size: s, generation: g, modified: Timestamp(seconds: Int64(bitPattern: seconds), nanoseconds: Int32(bitPattern: nanos)),
+                           crc32c: crc.isEmpty ? nil : crc, posixMode: mode == 0xFFFF ? nil : mode & 0o777,
+                           posixUID: uid == .max ? nil : uid, posixGID: gid == .max ? nil : gid,
+                           symlink: FileRecord.SymlinkStyle(rawValue: link))
+        r.metadataTargetLength = UInt16(lengthLow) | UInt16(lengthHigh) << 8
+        return r
     }
 
     private mutating func string() -> String? {
