@@ -27,7 +27,7 @@ import StorageClient
         #expect(a.kind == .directory)
         let b = try fs.lookup(parent: a.inode, name: "b")
         let c = try fs.lookup(parent: b.inode, name: "c.txt")
-        #expect(c.kind == .file && c.size == 5 && c.uid == 1 && c.gid == 2 && c.mode == 0o444)
+        #expect(c.kind == .file && c.size == 5 && c.uid == 1 && c.gid == 2 && c.mode == 0o644)
     }
 
     @Test func missingNamesAreNegativelyCached() throws {
