@@ -40,6 +40,7 @@ struct AuthorizedHTTP: Sendable {
             var error = StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
             error.retryAfter = response.headers["retry-after"].flatMap { Double($0.trimmingCharacters(in: .whitespaces)) }
                 .flatMap { $0 >= 0 && $0.isFinite ? $0 : nil }
+            error.notAnAPIAnswer = !Self.isAPIError(response)
             throw error
         }
         return response
@@ -82,6 +83,11 @@ struct AuthorizedHTTP: Sendable {
         return obj
     }
 
+    /// Whether an error body is a storage API's: a JSON object with an `error` member.
+    static func isAPIError(_ response: HTTPResponse) -> Bool {
+        (try? JSONSerialization.jsonObject(with: Data(response.body)) as? [String: Any])?["error"] != nil
+    }
+
     /// The human part of an error body (JSON `error.message`, or the first line of text).
     static func errorMessage(_ response: HTTPResponse) -> String {
         if let obj = try? JSONSerialization.jsonObject(with: Data(response.body)) as? [String: Any],
@@ -95,6 +101,10 @@ struct AuthorizedHTTP: Sendable {
     /// Start-up errors, reworded for the person at the prompt.
     static func explainAccessError(_ error: StorageError, bucket: String, prefix: String, endpoint: String) -> StorageError {
         switch error.code {
+        case .notFound where error.notAnAPIAnswer:
+            return StorageError(.notFound,
+                                "\(endpoint) answered HTTP 404 with something that is not a storage API error: is endpoint= the origin of a GCS JSON API or Firebase Storage server?",
+                                httpStatus: error.httpStatus)
         case .notFound:
             return StorageError(.notFound, "bucket '\(bucket)' does not exist at \(endpoint)", httpStatus: error.httpStatus)
         case .unauthenticated, .unauthorized:

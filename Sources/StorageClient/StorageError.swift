@@ -34,6 +34,9 @@ public struct StorageError: Error, Sendable, CustomStringConvertible {
     public let httpStatus: Int?
     /// Seconds the server asked us to wait before trying again (`Retry-After`), if it said.
     public var retryAfter: Double?
+    /// The error body was not a storage API's JSON error (`{"error": {...}}`): what answered
+    /// may not be a storage API at all (a web server at the wrong endpoint).
+    public var notAnAPIAnswer = false
     public let file: String
     public let line: Int
 

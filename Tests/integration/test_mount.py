@@ -150,3 +150,22 @@ def test_a_dead_mount_gets_the_hint(mount, corpus):
         subprocess.run(["fusermount3", "-u", m.path], capture_output=True, timeout=30)
         if is_mounted(m.path):
             subprocess.run(["umount", "-l", m.path], capture_output=True, timeout=30)
+
+
+def test_an_endpoint_that_is_not_a_storage_api_says_so(mount, tmp_path):
+    """A plain web server at endpoint= answers 404 pages, not storage API errors: the message
+    says so, instead of "bucket does not exist"."""
+    import http.server
+    import threading
+    handler = lambda *a, **kw: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path), **kw)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        mnt = mount.new_dir("mnt")
+        argv, _ = mount.argv(BUCKET, mnt, endpoint=f"http://127.0.0.1:{server.server_address[1]}")
+        line = _one_line(subprocess.run(argv, capture_output=True, text=True, timeout=60))
+        assert "not a storage API" in line and "endpoint=" in line, line
+        assert not is_mounted(mnt)
+    finally:
+        server.shutdown()
+        server.server_close()
