@@ -23,7 +23,9 @@ the ones in Sources/StorageClient/GCS/GCSJSONStore.swift and Firebase/FirebaseV0
                                                         v0 list (§2.4): items carry only name
                                                         and bucket; `prefixes` and `items` are
                                                         always present; the placeholder of the
-                                                        listed prefix is not listed
+                                                        listed prefix is not listed; a prefix
+                                                        not empty and not ending in one '/' is
+                                                        400, as on the service
     GET /v0/b/B/o/NAME                                  v0 metadata (§2.2)
     GET /v0/b/B/o/NAME?alt=media                        v0 media (§2.3), with x-goog-generation
     GET /_scale/counts, /_scale/reset, /_scale/shape    control (not counted): request counts as
@@ -42,29 +44,46 @@ numeric order):
                                                         +, %, #, ?, non-ASCII), `odd=True`
     wide/f000000.bin ... wide/f{wide-1}.bin             one wide directory (`wide`, default 0)
 
-Sizes are 0..max_size bytes (4096 by default; about 1 in 61 objects is empty) from a hash of
-the name; the generation is positive and from the same hash; `updated`/`timeCreated` are one
-fixed time; the bytes of an object are a window of a fixed pseudo-random buffer chosen by the
-name, so a read from the wrong offset or object shows. Page tokens are opaque (base64 of
-the key to resume at), valid with any prefix; maxResults counts items and prefixes together,
-defaults to 1000 and is capped there, as on GCS.
+Sizes are 0..max_size bytes (4096 by default; about 1 in 61 objects, and every placeholder,
+is empty) and the generation (positive, 16 digits) come from a hash of the name;
+`updated`/`timeCreated` are one fixed time; metageneration is 1. An object's bytes are the
+start of one of 1024 pseudo-random streams followed by a 4-byte tag from its name's hash
+(see Namespace.attrs), so reads can be checked byte for byte (`object_bytes`): a read at a
+wrong offset or of another object shows. md5Hash and crc32c are real (computed from
+precomputed md5 mid-states and CRC tables in ~1 µs each). Page tokens are opaque (base64 of
+the name to resume at) and valid with any prefix; maxResults counts items and prefixes
+together, defaults to 1000 and is capped there, as on GCS.
 
-Speed: a hand-rolled HTTP/1.1 keep-alive server on asyncio (no email-parser headers), in its
-own process with `workers` pre-forked processes sharing the listening socket; JSON is
-rendered with generated f-strings; a full listing page leads the server to render the next
-page while the client reads this one, and rendered pages are kept in a small cache.
-`python3 scale_server.py --walk` measures the direct listing walk (see `walk`).
+Speed, so that the server is never what a benchmark measures: a small HTTP/1.1 keep-alive
+server on asyncio (request line and headers split by hand) in a process of its own; JSON is
+built with generated f-strings per `fields=` selection; after each full listing page the
+worker has its `render_ahead` (2) helper processes render the next pages of that listing in
+parallel, and keeps rendered pages in a cache (`page_cache_mb`, 384 MiB: a 1000-item page
+with storefs's `fields=` is ~290 KB, so a benchmark's repeated runs over 1.1M objects are
+answered from it). One worker
+(`workers=1`) is the default on purpose: clients such as storefs spread one listing's pages
+over several keep-alive connections, and with more workers a page rendered ahead by one is
+rendered again by another (measured: a storefs `find` of 1M objects took the same time with
+one worker and 25% less server CPU). `python3 scale_server.py --walk` measures the direct
+listing walk (see `walk`).
 
 API (used by tests and benchmarks):
 
-    with ScaleServer(dirs=100, files=10000, wide=0) as s:   # starts a child process
-        s.endpoint, s.port, s.count(), s.names(), s.size_of(n), s.object_bytes(n),
-        s.generation_of(n), s.md5_of(n), s.crc32c_of(n), s.counts, s.reset_counts()
-    walk(s.endpoint, s.bucket)   # {"objects", "prefixes", "pages", "seconds"}
+    with ScaleServer(bucket="scale-bucket", dirs=100, files=10000, wide=0) as s:   # a child process
+        s.endpoint, s.port, s.pid, s.bucket
+        s.count(), s.names(), s.size_of(n), s.object_bytes(n), s.generation_of(n),
+        s.md5_of(n), s.crc32c_of(n)                 # computed here, like the server does
+        s.counts, s.reset_counts(), s.media_bytes   # requests answered, by kind (KINDS)
+    walk(s.endpoint, s.bucket, prefix="", delimited=True, api="gcs")
+        # -> {"objects", "prefixes", "pages", "seconds"}
 
-CLI: `scale_server.py --dirs 100 --files 10000 [--wide N] [--nested N] [--odd] [--bucket B]
-[--port 0] [--external-url URL] [--workers N]` prints `READY http://127.0.0.1:PORT` and serves
-until SIGTERM/SIGINT; `--walk` starts a server, walks it and prints the speed.
+CLI: `scale_server.py [--dirs 100] [--files 10000] [--wide N] [--nested N] [--odd]
+[--max-size BYTES] [--bucket B] [--host 127.0.0.1] [--port 0] [--external-url URL]
+[--workers 1] [--render-ahead 2] [--page-cache-mb 384] [--log FILE]` prints one line
+`READY http://127.0.0.1:PORT` and serves until SIGTERM/SIGINT. `--walk [--runs 3] [--flat]
+[--api gcs|firebase] [--full] [--fresh]` instead starts a server, walks it, prints pages/s
+and objects/s per run and their median, and exits (without --fresh, walks after the first are
+answered from the page cache).
 """
 
 from __future__ import annotations
@@ -99,6 +118,9 @@ DEFAULT_BUCKET = "scale-bucket"
 FIXED_TIME = "2024-05-06T07:08:09.123Z"
 KINDS = ("list", "metadata", "media", "v0list", "v0metadata", "v0media", "other")
 PAGE_MAX = 1000
+# How listing pages were served: rendered for the request, rendered ahead by a helper, served
+# from the page cache, waited for (a helper was rendering it): ScaleServer.page_stats().
+PAGE_STATS = ("rendered", "ahead", "cached", "waited")
 # What storefs asks for in a listing (GCSJSONStore.listFields): the default `fields=` of walk().
 STOREFS_LIST_FIELDS = ("items(name,bucket,size,generation,metageneration,updated,timeCreated,"
                        "contentType,contentEncoding,cacheControl,md5Hash,crc32c,metadata),"
@@ -109,6 +131,7 @@ VARIANTS = 1024                    # content streams (see Namespace.attrs)
 VARIANT_STRIDE = 256               # bytes between the starts of two streams in the buffer
 BUFFER_SEED = 20240506
 MAX_SIZE_LIMIT = 1 << 20           # object bodies are built in memory: keep them small
+
 
 def _unquote(s: str, errors: str = "strict") -> str:
     return urllib.parse.unquote(s, errors=errors) if "%" in s else s
@@ -249,8 +272,9 @@ class _Numbered:
         self.head, self.tail, self.width = head, tail, width
         self.count = count
         self.fmt = head.replace("%", "%%") + "%0" + str(width) + "d" + tail.replace("%", "%%")
-        self.jfmt = json_str(head).replace("%", "%%") + "%0" + str(width) + "d" + json_str(tail).replace("%", "%%")
-        self.ufmt = quote_name(head).replace("%", "%%") + "%0" + str(width) + "d" + quote_name(tail).replace("%", "%%")
+        num = "%0" + str(width) + "d"
+        self.jfmt = json_str(head).replace("%", "%%") + num + json_str(tail).replace("%", "%%")
+        self.ufmt = quote_name(head).replace("%", "%%") + num + quote_name(tail).replace("%", "%%")
         self.placeholder = False
         self.jctype = json_str(content_type)
         self.first = self.name(0)
@@ -512,7 +536,8 @@ class Namespace:
                     r = m & 63
                     if r:
                         f = level0[r]
-                        v = f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)] ^ f[768 + (v >> 24)]
+                        v = (f[v & 255] ^ f[256 + ((v >> 8) & 255)] ^ f[512 + ((v >> 16) & 255)]
+                             ^ f[768 + (v >> 24)])
                     v ^= pre[o + m]
                 else:
                     v = state(o, m)
@@ -701,7 +726,12 @@ def parse_fields(spec: str) -> dict:
             else:
                 raise ValueError(f"unexpected {c!r}")
 
-    return parse_list(0)
+    def star(sel):   # `*` selects everything at its level
+        if sel is None or "*" in sel:
+            return None
+        return {k: star(v) for k, v in sel.items()}
+
+    return star(parse_list(0))
 
 
 class Renderer:
@@ -775,7 +805,8 @@ class Renderer:
     def v0_list(self, entries, prefixes, token) -> str:
         jb = self.consts["JB"]
         items = ",".join(f'{{"name":"{f.jname(i)}","bucket":"{jb}"}}' for f, i in entries)
-        out = ('{"prefixes":[' + ",".join('"' + json_str(p) + '"' for p in prefixes) + '],"items":[' + items + "]")
+        out = ('{"prefixes":[' + ",".join('"' + json_str(p) + '"' for p in prefixes)
+               + '],"items":[' + items + "]")
         if token is not None:
             out += f',"nextPageToken":"{token}"'
         return out + "}"
@@ -809,7 +840,7 @@ class SharedCounts:
     locks), plus a baseline row that reset() sets to the current sums. Slots: KINDS, then
     media body bytes."""
 
-    SLOTS = len(KINDS) + 1
+    SLOTS = len(KINDS) + 1 + len(PAGE_STATS)
 
     def __init__(self, workers: int, path: str | None = None, create: bool = False) -> None:
         self.workers = workers
@@ -842,6 +873,10 @@ class SharedCounts:
     def media_bytes(self) -> int:
         return self.sums()[len(KINDS)]
 
+    def page_stats(self) -> dict:
+        sums = self.sums()
+        return {k: sums[_SLOT[k]] for k in PAGE_STATS}
+
     def reset(self) -> None:
         q, s = self.q, self.SLOTS
         for k in range(s):
@@ -855,7 +890,7 @@ class SharedCounts:
             pass
 
 
-_SLOT = {k: n for n, k in enumerate(KINDS)}
+_SLOT = {k: n for n, k in enumerate(KINDS + ("media_bytes",) + PAGE_STATS)}
 
 
 # ============================================================================ HTTP app
@@ -875,6 +910,7 @@ def v0_error(status: int, message: str) -> HTTPError:
     return HTTPError(status, f'{{"error":{{"code":{status},"message":{json.dumps(message)}}}}}')
 
 
+V0_BAD_PREFIX = "The prefix parameter is required to be empty or ends with a single / character."
 REASONS = {200: "OK", 206: "Partial Content", 400: "Bad Request", 404: "Not Found",
            405: "Method Not Allowed", 412: "Precondition Failed", 416: "Range Not Satisfiable",
            431: "Request Header Fields Too Large", 500: "Internal Server Error",
@@ -886,37 +922,43 @@ class App:
     """Routes one request to its answer: (status, [(header, value)], body bytes, kind)."""
 
     def __init__(self, ns: Namespace, bucket: str, external: str, counts: SharedCounts,
-                 page_cache_bytes: int = 32 << 20, render_ahead: int = 0) -> None:
+                 page_cache_bytes: int = 384 << 20, render_ahead: int = 0,
+                 log_path: str | None = None) -> None:
         self.ns = ns
         self.bucket = bucket
         self.render = Renderer(ns, bucket, external)
         self.counts = counts
-        self.pages: collections.OrderedDict = collections.OrderedDict()
+        self.pages: dict = {}
         self.page_bytes = 0
+        self._rng = random.Random(1)
         self.page_cache_limit = page_cache_bytes
         self.next_starts: collections.OrderedDict = collections.OrderedDict()
         self.selections: dict = {}
-        self.ahead: RenderAhead | None = RenderAhead(self, render_ahead) if render_ahead > 0 else None
+        self.log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if log_path else None
+        # Pages rendered ahead wait in the page cache: without one there is no rendering ahead.
+        self.ahead: RenderAhead | None = (RenderAhead(self, render_ahead)
+                                          if render_ahead > 0 and page_cache_bytes > 0 else None)
 
     # ------------------------------------------------------------------ page cache
     # Rendered listing pages as (body, resume key), by (chain, start): the chain is every
     # listing parameter but the page token, the start the name the page begins at.
     def _cache_get(self, key):
-        entry = self.pages.get(key)
-        if entry is not None:
-            self.pages.move_to_end(key)
-        return entry
+        return self.pages.get(key)
 
     def _cache_put(self, key, entry) -> None:
+        """Evicts at random when full: walks repeat in loops, and an LRU cache smaller than
+        the loop would evict exactly the page needed next; random eviction still answers
+        about capacity/loop of them."""
         self.remember_next(key, entry[1])
         body = entry[0]
-        if len(body) > self.page_cache_limit // 4 or key in self.pages:
+        if len(body) > self.page_cache_limit or key in self.pages:
             return
-        self.pages[key] = entry
+        pages = self.pages
+        while pages and self.page_bytes + len(body) > self.page_cache_limit:
+            victim = self._rng.choice(list(pages))
+            self.page_bytes -= len(pages.pop(victim)[0])
+        pages[key] = entry
         self.page_bytes += len(body)
-        while self.page_bytes > self.page_cache_limit:
-            _, (old, _) = self.pages.popitem(last=False)
-            self.page_bytes -= len(old)
 
     def remember_next(self, key, resume) -> None:
         nxt = self.next_starts
@@ -972,6 +1014,10 @@ class App:
         if kind is None:
             return self.control(route), None
         self.counts.add(_SLOT[kind])
+        if self.log_fd is not None:
+            rng = headers.get(b"range")
+            os.write(self.log_fd, b"%d %s %s %s%s\n" % (os.getpid(), kind.encode(), method, target,
+                                                       b" range=" + rng if rng else b""))
         v0 = api == "v0"
         try:
             if method not in (b"GET", b"HEAD"):
@@ -996,7 +1042,8 @@ class App:
         except HTTPError as e:
             return (e.status, [(b"Content-Type", JSON_TYPE)] + e.headers, e.body.encode()), kind
         except ValueError as e:   # a name or query value that is not UTF-8
-            err = v0_error(400, "Invalid request.") if v0 else gcs_error(400, f"Invalid request: {e}", "invalid")
+            err = (v0_error(400, "Invalid request.") if v0 else
+                   gcs_error(400, f"Invalid request: {e}", "invalid"))
             return (400, [(b"Content-Type", JSON_TYPE)], err.body.encode()), kind
 
     @staticmethod
@@ -1016,10 +1063,15 @@ class App:
     def json(status: int, text: str):
         return status, [(b"Content-Type", JSON_TYPE)], text.encode()
 
+    @staticmethod
+    def json_bytes(body: bytes):
+        return 200, [(b"Content-Type", JSON_TYPE)], body
+
     def control(self, what: str):
         if what == "counts":
             c = self.counts.counter()
-            return self.json(200, json.dumps({"counts": dict(c), "media_bytes": self.counts.media_bytes()}))
+            return self.json(200, json.dumps({"counts": dict(c), "media_bytes": self.counts.media_bytes(),
+                                              "pages": self.counts.page_stats()}))
         if what == "reset":
             self.counts.reset()
             return self.json(200, "{}")
@@ -1079,12 +1131,15 @@ class App:
         self._selection(fields)   # a bad selection is a 400 before anything else
         chain = ("gcs", prefix, params.get("delimiter") or None, self._max_results(params, False), fields,
                  params.get("endOffset") or None)
-        return 200, [(b"Content-Type", JSON_TYPE)], self.serve_list(chain, self._start(prefix, params, False))
+        return self.json_bytes(self.serve_list(chain, self._start(prefix, params, False)))
 
     def v0_list(self, params: dict):
         prefix = params.get("prefix", "")
+        if prefix and (not prefix.endswith("/") or prefix.endswith("//")):
+            # As the Firebase service and its emulator answer (firebase_fixture.py does too).
+            raise v0_error(400, V0_BAD_PREFIX)
         chain = ("v0", prefix, params.get("delimiter") or None, self._max_results(params, True), None, None)
-        return 200, [(b"Content-Type", JSON_TYPE)], self.serve_list(chain, self._start(prefix, params, True))
+        return self.json_bytes(self.serve_list(chain, self._start(prefix, params, True)))
 
     def render_page(self, chain, start):
         """(body, resume key or None) of the page of `chain` that begins at `start`."""
@@ -1106,11 +1161,15 @@ class App:
         entry = self._cache_get(key)
         ahead = self.ahead
         if entry is None and ahead is not None and ahead.in_flight(key):
+            self.counts.add(_SLOT["waited"])
             ahead.wait(key)   # a helper is rendering it: do not render it twice
             entry = self._cache_get(key)
         if entry is None:
+            self.counts.add(_SLOT["rendered"])
             entry = self.render_page(chain, start)
             self._cache_put(key, entry)
+        else:
+            self.counts.add(_SLOT["cached"])
         if entry[1] is not None and chain[3] >= 100 and ahead is not None:
             ahead.want(chain, entry[1])
         return entry[0]
@@ -1172,9 +1231,11 @@ class App:
         if rng is not None:
             r = parse_range(rng, size)
             if r == "unsatisfiable":
-                body = (gcs_error(416, "The requested range cannot be satisfied.", "requestedRangeNotSatisfiable")
-                        if not v0 else v0_error(416, "Requested range not satisfiable.")).body.encode()
-                return 416, [(b"Content-Type", JSON_TYPE), (b"Content-Range", f"bytes */{size}".encode())], body
+                err = (v0_error(416, "Requested range not satisfiable.") if v0 else
+                       gcs_error(416, "The requested range cannot be satisfied.",
+                                 "requestedRangeNotSatisfiable"))
+                return (416, [(b"Content-Type", JSON_TYPE), (b"Content-Range", f"bytes */{size}".encode())],
+                        err.body.encode())
             if r is not None:
                 a, b = r
                 self.counts.add(len(KINDS), b - a + 1)
@@ -1221,9 +1282,9 @@ def parse_range(value: bytes, size: int):
 class RenderAhead:
     """Helper processes that render the next pages of a listing while the client reads this
     one. A worker serves; after it answers a page with a next page, `want` makes sure the
-    next `n` pages are cached or being rendered, one per helper, so n helpers render n pages
-    at once (a sequential walk gets the speed of n + 1 processes). A request for a page a
-    helper is still rendering waits for it. Helpers are forked on first use (closing every
+    next `n` pages are cached or being rendered by an idle helper (one page each), so n
+    helpers render n pages at once. A request for a page a helper is rendering waits for it;
+    anything else the worker renders itself. Helpers are forked on first use (closing every
     descriptor but their socket) and die with the worker."""
 
     def __init__(self, app: "App", n: int) -> None:
@@ -1309,6 +1370,7 @@ class RenderAhead:
             del buf[:4 + n]
             h["jobs"] -= 1
             self.inflight.pop(key, None)
+            self.app.counts.add(_SLOT["ahead"])
             self.app._cache_put(key, (body, resume))
 
     def pids(self) -> list[int]:
@@ -1341,7 +1403,12 @@ class RenderAhead:
         for d in range(self.n):
             key = (chain, start)
             if key not in app.pages and key not in self.inflight:
-                h = min(live, key=lambda x: x["jobs"])
+                # Idle helpers only: a page someone waits for is then always one a helper is
+                # rendering right now, never one queued behind other listings' pages.
+                idle = [x for x in live if x["jobs"] == 0]
+                if not idle:
+                    return
+                h = idle[0]
                 out = pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
                 try:
                     h["sock"].setblocking(True)
@@ -1393,7 +1460,8 @@ class _Conn(asyncio.Protocol):
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(buf) > self.MAX_HEAD:
-                    self.respond(431, [(b"Content-Type", JSON_TYPE)], b'{"error":{"code":431}}', False, False)
+                    self.respond(431, [(b"Content-Type", JSON_TYPE)], b'{"error":{"code":431}}',
+                                 False, False)
                 return
             lines = bytes(buf[:end]).split(b"\r\n")
             req = lines[0].split(b" ")
@@ -1429,7 +1497,8 @@ class _Conn(asyncio.Protocol):
             except Exception as exc:  # noqa: BLE001 - a server bug must show, not hang the client
                 sys.stderr.write(f"scale_server: error answering {target!r}: {exc!r}\n")
                 status, hdrs = 500, [(b"Content-Type", JSON_TYPE)]
-                body = json.dumps({"error": {"code": 500, "message": f"scale_server error: {exc!r}"}}).encode()
+                body = json.dumps({"error": {"code": 500,
+                                             "message": f"scale_server error: {exc!r}"}}).encode()
                 keep = False
             self.respond(status, hdrs, body, keep, method == b"HEAD")
 
@@ -1467,9 +1536,11 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def _worker(sock: socket.socket, app: App) -> None:
+def _worker(sock: socket.socket, app: App, on_start=None) -> None:
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    if on_start is not None:
+        on_start(loop)
 
     async def main() -> None:
         server = await loop.create_server(lambda: _Conn(app, loop), sock=sock)
@@ -1496,7 +1567,7 @@ def serve(args) -> int:
     workers = max(1, args.workers)
     counts = SharedCounts(workers, args.counts_file)
     app = App(ns, args.bucket, args.external_url or endpoint, counts, args.page_cache_mb << 20,
-              args.render_ahead)
+              args.render_ahead, args.log)
     parent = os.getpid()
     children: list[int] = []
     for w in range(2, workers + 1):
@@ -1530,18 +1601,25 @@ def serve(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    if args.exit_on_stdin_eof:
-        def watch() -> None:
+
+    def watch_stdin(loop) -> None:
+        """The parent holds our stdin pipe: its end (the parent died) stops the server. A
+        loop reader, not a thread: render-ahead helpers are forked from this process."""
+        def readable() -> None:
             try:
-                while os.read(0, 4096):
-                    pass
+                data = os.read(0, 4096)
+            except BlockingIOError:
+                return
             except OSError:
-                pass
-            os.kill(os.getpid(), signal.SIGTERM)
-        threading.Thread(target=watch, daemon=True).start()
+                data = b""
+            if not data:
+                stop()
+        os.set_blocking(0, False)
+        loop.add_reader(0, readable)
+
     sys.stdout.write(f"READY {endpoint}\n")
     sys.stdout.flush()
-    _worker(sock, app)
+    _worker(sock, app, watch_stdin if args.exit_on_stdin_eof else None)
     stop()
     return 0
 
@@ -1558,8 +1636,8 @@ class ScaleServer:
 
     def __init__(self, bucket: str = DEFAULT_BUCKET, dirs: int = 100, files: int = 10000, wide: int = 0,
                  host: str = "127.0.0.1", port: int = 0, external_url: str | None = None, *,
-                 nested: int = 0, odd: bool = False, max_size: int = 4096, workers: int = 2,
-                 page_cache_mb: int = 32, render_ahead: int = 2) -> None:
+                 nested: int = 0, odd: bool = False, max_size: int = 4096, workers: int = 1,
+                 page_cache_mb: int = 384, render_ahead: int = 2, log_path: str | None = None) -> None:
         self.bucket = bucket
         self.host = host
         self.requested_port = port
@@ -1567,6 +1645,7 @@ class ScaleServer:
         self.workers = workers
         self.page_cache_mb = page_cache_mb
         self.render_ahead = render_ahead
+        self.log_path = log_path
         self.namespace = Namespace(dirs, files, wide, nested, odd, max_size)
         self.port = 0
         self.endpoint = ""
@@ -1589,6 +1668,8 @@ class ScaleServer:
             argv.append("--odd")
         if self.external_url:
             argv += ["--external-url", self.external_url]
+        if self.log_path:
+            argv += ["--log", os.path.abspath(self.log_path)]
         return argv
 
     def start(self, timeout: float = 30.0) -> "ScaleServer":
@@ -1624,6 +1705,12 @@ class ScaleServer:
             raise RuntimeError(f"{exc}; stderr:\n{err}") from None
         self.endpoint = line.split()[1].decode()
         self.port = int(self.endpoint.rsplit(":", 1)[1])
+        # Both sides have it mapped now: unlinked, it cannot outlive them (a killed test).
+        try:
+            os.unlink(self._counts_path)
+        except FileNotFoundError:
+            pass
+        self._counts_path = None
         return self
 
     def _stderr_text(self) -> str:
@@ -1686,6 +1773,12 @@ class ScaleServer:
     def media_bytes(self) -> int:
         with self._lock:
             return 0 if self._counts is None else self._counts.media_bytes()
+
+    def page_stats(self) -> dict:
+        """How listing pages were served since the last reset_counts(): {"rendered" (for the
+        request), "ahead" (by a render-ahead helper), "cached", "waited" (for a helper)}."""
+        with self._lock:
+            return dict.fromkeys(PAGE_STATS, 0) if self._counts is None else self._counts.page_stats()
 
     # ------------------------------------------------------------------ the bucket's contents
     def names(self) -> Iterator[str]:
@@ -1798,14 +1891,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--external-url", default=None, help="base URL of selfLink/mediaLink")
-    p.add_argument("--workers", type=int, default=2, help="server processes sharing the port")
-    p.add_argument("--page-cache-mb", type=int, default=32, help="rendered-page cache per worker")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes sharing the port (each has its own page cache and helpers)")
+    p.add_argument("--page-cache-mb", type=int, default=384, help="rendered-page cache per worker (MiB)")
     p.add_argument("--render-ahead", type=int, default=2,
                    help="helper processes per worker rendering the next listing pages (0: none)")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="append one line per request (pid, kind, method, target, range) to FILE")
     p.add_argument("--counts-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--exit-on-stdin-eof", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--walk", action="store_true", help="start a server, walk it, print the speed")
     p.add_argument("--runs", type=int, default=3, help="walks (--walk); the median is reported")
+    p.add_argument("--fresh", action="store_true",
+                   help="a new server for every walk, so none is answered from the page cache (--walk)")
     p.add_argument("--flat", action="store_true", help="walk without a delimiter (--walk)")
     p.add_argument("--api", default="gcs", choices=("gcs", "firebase"), help="protocol (--walk)")
     p.add_argument("--full", action="store_true", help="walk with full resources, no fields= (--walk)")
@@ -1813,28 +1911,48 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _walk_cli(args) -> int:
-    with ScaleServer(args.bucket, args.dirs, args.files, args.wide, args.host, 0, args.external_url,
-                     nested=args.nested, odd=args.odd, max_size=args.max_size, workers=args.workers,
-                     page_cache_mb=args.page_cache_mb, render_ahead=args.render_ahead) as s:
-        print(f"server {s.endpoint}: {s.count():,} objects ({args.dirs} dirs x {args.files} files"
-              f"{f' + wide {args.wide}' if args.wide else ''}), api={args.api}, "
-              f"{'flat' if args.flat else 'delimited'}, {'full resources' if args.full else 'storefs fields='}",
-              flush=True)
-        results = []
+    """--walk: the direct listing walk, `--runs` times, against one server (the first walk is
+    cold, the next ones are answered from the page cache) or a new server per walk (--fresh:
+    every walk cold); prints each walk and the median."""
+    def server() -> ScaleServer:
+        return ScaleServer(args.bucket, args.dirs, args.files, args.wide, args.host, 0, args.external_url,
+                           nested=args.nested, odd=args.odd, max_size=args.max_size, workers=args.workers,
+                           page_cache_mb=args.page_cache_mb, render_ahead=args.render_ahead)
+
+    api = "gcs" if args.api == "gcs" else "v0"
+    shape = (f"{args.dirs} dirs x {args.files} files{f' + wide {args.wide}' if args.wide else ''}, api={api}, "
+             f"{'flat' if args.flat else 'delimited'}"
+             + ("" if api == "v0" else f", {'full resources' if args.full else 'storefs fields='}"))
+    results = []
+    s = None
+    try:
         for run in range(args.runs):
-            r = walk(s.endpoint, args.bucket, delimited=not args.flat, api=args.api,
+            if s is None or args.fresh:
+                if s is not None:
+                    s.stop()
+                s = server().start(timeout=120)
+                if run == 0:
+                    print(f"{s.count():,} objects ({shape}); {os.cpu_count()} CPUs, load average "
+                          f"{os.getloadavg()[0]:.2f}", flush=True)
+            s.reset_counts()
+            r = walk(s.endpoint, args.bucket, delimited=not args.flat, api=api,
                      fields=None if args.full else STOREFS_LIST_FIELDS)
             if r["objects"] != s.count():
                 print(f"walk {run + 1}: {r['objects']} objects, expected {s.count()}", file=sys.stderr)
                 return 1
             results.append(r)
-            print(f"walk {run + 1}: {r['objects']:,} objects, {r['prefixes']:,} prefixes, {r['pages']:,} pages "
-                  f"in {r['seconds']:.2f} s: {r['pages'] / r['seconds']:,.0f} pages/s, "
-                  f"{r['objects'] / r['seconds']:,.0f} objects/s", flush=True)
-        med = statistics.median(r["seconds"] for r in results)
-        r0 = results[0]
-        print(f"median of {len(results)}: {med:.2f} s, {r0['pages'] / med:,.0f} pages/s, "
-              f"{r0['objects'] / med:,.0f} objects/s; server requests {dict(s.counts)}")
+            st = s.page_stats()
+            how = ", ".join(f"{k} {v}" for k, v in st.items() if v)
+            print(f"walk {run + 1}: {r['objects']:,} objects, {r['prefixes']:,} prefixes, "
+                  f"{r['pages']:,} pages in {r['seconds']:.2f} s: {r['pages'] / r['seconds']:,.0f} pages/s, "
+                  f"{r['objects'] / r['seconds']:,.0f} objects/s (pages: {how})", flush=True)
+    finally:
+        if s is not None:
+            s.stop()
+    med = statistics.median(r["seconds"] for r in results)
+    r0 = results[0]
+    print(f"median of {len(results)}: {med:.2f} s, {r0['pages'] / med:,.0f} pages/s, "
+          f"{r0['objects'] / med:,.0f} objects/s; load average now {os.getloadavg()[0]:.2f}")
     return 0
 
 
