@@ -20,6 +20,8 @@ public final class NamespaceStore: Sendable {
     static let maxLogBytes = 256 << 20
     /// Largest listing written (entries).
     static let maxStoredListing = 100_000
+    /// Files recorded per mount, at most (the memory of what was written is bounded too).
+    static let maxFiles = 1_000_000
 
     public struct Loaded: Sendable {
         public var files: [(path: String, record: FileRecord)] = []
@@ -138,7 +140,11 @@ public final class NamespaceStore: Sendable {
     public func recordFile(_ path: String, _ record: FileRecord) {
         let key = ByteName(path)
         let isNew = written.withLock { w -> Bool in
-            guard w.files[key] != record.generation else { return false }
+            // Bounded: past the log's size limit (or a million files this mount) nothing more
+            // is recorded until the next mount compacts the log.
+            guard w.files[key] != record.generation, w.bytes < Self.maxLogBytes, w.files.count < Self.maxFiles else {
+                return false
+            }
             w.files[key] = record.generation
             return true
         }
