@@ -26,6 +26,7 @@ LAT_WARMUP = 20
 
 
 def curl_single(url: str, size: int) -> float:
+    """curl-1: MiB/s of one GET of the whole object, from curl's own %{time_total}."""
     out = subprocess.run(["curl", "-s", "-o", "/dev/null", "--max-time", "300",
                           "-w", "%{http_code} %{size_download} %{time_total}", url],
                          capture_output=True, text=True, check=False)
@@ -36,6 +37,7 @@ def curl_single(url: str, size: int) -> float:
 
 
 def curl_parallel(url: str, size: int, n: int) -> float:
+    """curl-N: n ranged GETs at once, one slice each; MiB/s = size / wall time."""
     part = size // n
     procs = []
     t0 = time.monotonic()

@@ -89,7 +89,8 @@ class SystemRun:
     def _link_record(self, phase: str) -> None:
         """With --link: what the phase cost on the wire (the proxy's request/connection counts)."""
         if self.link is not None:
-            self.put_extra(f"link_stats:{phase}", self.link.stats())
+            stats = self.link.stats()
+            self.put_extra(f"link_stats:{phase}", {k: v for k, v in stats.items() if k != "per_request"})
 
     def fresh_cache(self) -> str:
         return self.ctx.new_cache_dir(self.system)
@@ -143,11 +144,16 @@ def random_phase(sr: SystemRun) -> None:
     ctx, server_pid = sr.ctx, sr.ctx.server.pid
     cache = sr.fresh_cache()
     offs = random_offsets(ctx.size, SEED + 100 + sr.run_i)
+
+    def preads(m: Mount, evict_first: bool) -> tuple:
+        return pread_latency(sr.big, ctx.local_big, offs, evict_first=evict_first, daemon_pid=m.pid,
+                             timeout=120 * ctx.timeout_factor)
+
     try:
         with sr.mount(cache) as m:
             drop_caches()
             w0 = proc_wchar(server_pid)
-            p50, p99 = pread_latency(sr.big, ctx.local_big, offs, evict_first=False, daemon_pid=m.pid)
+            p50, p99 = preads(m, evict_first=False)
             w1 = proc_wchar(server_pid)
             if w0 is not None and w1 is not None:
                 sr.put_extra("server_mib_sent_cold_random", (w1 - w0) / MIB)
@@ -157,11 +163,11 @@ def random_phase(sr: SystemRun) -> None:
                 log(f"  {sr.system} random 4K cold p50/p99 {p50:.0f}/{p99:.0f} µs")
                 return
             seq_read_mibs(sr.big, ctx.size, m.pid)  # the file read fully: the daemon's cache is now filled
-            p50c, p99c = pread_latency(sr.big, ctx.local_big, offs, evict_first=True, daemon_pid=m.pid)
+            p50c, p99c = preads(m, evict_first=True)
             sr.put("rand_cached_p50", p50c)
             sr.put("rand_cached_p99", p99c)
             drop_caches()
-            p50d, p99d = pread_latency(sr.big, ctx.local_big, offs, evict_first=False, daemon_pid=m.pid)
+            p50d, p99d = preads(m, evict_first=False)
             sr.put_extra("rand_cached_after_drop_caches_p50_us", p50d)
             sr.put_extra("rand_cached_after_drop_caches_p99_us", p99d)
             log(f"  {sr.system} random 4K cold p50/p99 {p50:.0f}/{p99:.0f} µs, cached {p50c:.1f}/{p99c:.1f} µs, "
@@ -192,10 +198,11 @@ def first_byte_phase(sr: SystemRun) -> None:
     try:
         with sr.mount(cache) as m:
             drop_caches()
-            secs, out = timed_shell(f"head -c 1 {shlex.quote(sr.big)} | wc -c", m.pid, timeout=60)
+            secs, out = timed_shell(f"head -c 1 {shlex.quote(sr.big)} | wc -c", m.pid,
+                                    timeout=60 * sr.ctx.timeout_factor)
             if out.strip() != "1":
                 raise BenchError(f"head -c 1 gave {out.strip()} bytes")
-            sr.put("first_byte", secs)
+            sr.put("first_byte", secs * 1000)
             log(f"  {sr.system} head -c 1 on a fresh mount {secs * 1000:.0f} ms")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -207,7 +214,7 @@ def walk_phase(sr: SystemRun, key: str, cmd: str, check_count: bool) -> None:
     try:
         with sr.mount(cache) as m:
             drop_caches()
-            secs, out = timed_shell(cmd, m.pid)
+            secs, out = timed_shell(cmd, m.pid, timeout=180 * sr.ctx.timeout_factor)
             if check_count and int(out.strip()) != TREE_ENTRIES:
                 raise BenchError(f"find listed {out.strip()} entries, want {TREE_ENTRIES}")
             sr.put(key, secs)

@@ -159,12 +159,29 @@ def stat_loop(paths: list, daemon_pid: int | None, timeout: float = 600) -> dict
 def timed_shell(cmd: str, daemon_pid: int | None, timeout: float = 180):
     """(seconds, stdout) of `bash -o pipefail -c cmd`; a failure or timeout is a BenchError."""
     t0 = time.monotonic()
+    # Its own process group, so a timeout or Ctrl-C stops the whole pipeline (find, ls, wc),
+    # not just bash: a reader left behind would keep the mount busy and delay its unmount.
+    proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
-                             timeout=timeout, check=False)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise BenchError(f"STALL: `{cmd}` not done after {timeout:.0f} s; {daemon_diag(daemon_pid)}") from None
+        diag = daemon_diag(daemon_pid)
+        _kill_group(proc)
+        raise BenchError(f"STALL: `{cmd}` not done after {timeout:.0f} s; {diag}") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
     secs = time.monotonic() - t0
-    if out.returncode != 0:
-        raise BenchError(f"`{cmd}` failed rc {out.returncode}: {out.stderr.strip()[-300:]}")
-    return secs, out.stdout
+    if proc.returncode != 0:
+        raise BenchError(f"`{cmd}` failed rc {proc.returncode}: {stderr.strip()[-300:]}")
+    return secs, stdout
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group led by proc (our own child's pid), then reap proc."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()

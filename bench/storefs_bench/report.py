@@ -44,6 +44,7 @@ LINK_ROWS = [
 
 
 def rows_for(link: bool) -> list:
+    """The table's rows: the loopback ones, plus LINK_ROWS after the 8 readers with --link."""
     if not link:
         return ROWS
     i = [r[0] for r in ROWS].index("par8") + 1
@@ -117,6 +118,7 @@ def versus(st, others: dict, higher: bool, unit: str, short=lambda s: s) -> dict
 
 # --------------------------------------------------------------------------- the loopback / --link table
 def columns(streams: int) -> list:
+    """The value columns: curl-1, curl-N (8 on loopback, 16 through a link), then the mounts."""
     return ["curl-1", f"curl-{streams}"] + MOUNT_SYSTEMS
 
 
@@ -170,7 +172,7 @@ def build_report(res: dict, base: dict, ml_mib: float, rclone_reason: str | None
         st = vals["storefs"]
         row = {"key": key, "label": label, "unit": unit,
                "better": "higher" if higher else "lower", "values": vals, "runs": runs}
-        # storefs / curl-N for throughput rows
+        # storefs / curl-N for throughput rows (the key is named for the loopback's curl-8)
         row["storefs_over_curl8"] = (st / vals[cn]) if (higher and st and vals[cn]) else None
         # storefs / floor: how much storefs's own work costs over FUSE + HTTP alone
         fl = vals["floor"]
@@ -212,6 +214,7 @@ def print_floor(rows: list, streams: int = READERS) -> None:
 
 
 def print_table(rows: list, streams: int = READERS) -> None:
+    """The loopback/--link table: values, ratios, storefs vs best rclone, target and verdicts."""
     cols = columns(streams)
     hdr = ["measurement", "unit"] + cols + [f"st/curl-{streams}", "st/floor", "storefs vs best rclone", "rc?",
                                             "target (storefs)", "tgt?"]
@@ -230,6 +233,7 @@ def print_table(rows: list, streams: int = READERS) -> None:
 
 def print_header(size_mib: int, runs: int, duration: float, storefs_opts: str, ml: float, noise: dict,
                  streams: int, link_desc: str | None) -> None:
+    """What was measured, with which options, and how busy the machine was meanwhile."""
     where = f"through the modelled link {link_desc}" if link_desc else "on loopback"
     print()
     print(f"storefs benchmark: {size_mib} MiB object, {TREE_DIRS * TREE_FILES_PER_DIR} small files, "
@@ -295,6 +299,7 @@ def common_meta(ctx, runs: int, duration: float, noise: dict, systems: list) -> 
 
 def loopback_json(ctx, size_mib: int, runs: int, duration: float, noise: dict, ml: float, systems: list,
                   base: dict, rows: list, extra: dict, errors: list, link_info: dict | None) -> dict:
+    """--json of the loopback/--link setting: meta, baselines, rows with per-run values, extras."""
     meta = common_meta(ctx, runs, duration, noise, systems)
     meta.update({
         "object_mib": size_mib, "tree_files": TREE_DIRS * TREE_FILES_PER_DIR, "memory_limit_mib": ml,
@@ -327,10 +332,18 @@ def write_json(path: str, doc: dict) -> None:
 
 
 # --------------------------------------------------------------------------- --link
-def _usage_counts(stats: dict) -> dict:
-    """The request and connection counters of one LinkProxy.stats() snapshot."""
-    return {k: v for k, v in stats.items()
-            if isinstance(v, (int, float)) and ("request" in k or "conn" in k)}
+def overhead_line(over: dict) -> str:
+    """measure_overhead's result in one line: curl direct vs through a proxy with no delays."""
+    n = over.get("streams", 16)
+    try:
+        return (f"link proxy's own overhead (measure_overhead: curl direct vs through linkproxy with no delays "
+                f"or caps, median of {over['runs']}): 1 stream {over['direct_1_mibps']:.0f} → "
+                f"{over['proxy_1_mibps']:.0f} MiB/s ({over['ratio_1']:.2f}×), {n} streams "
+                f"{over[f'direct_{n}_mibps']:.0f} → {over[f'proxy_{n}_mibps']:.0f} MiB/s ({over[f'ratio_{n}']:.2f}×), "
+                f"4 KiB keep-alive GET p50 {over['direct_request_us']:.0f} → {over['proxy_request_us']:.0f} µs "
+                f"(+{over['added_us_per_request']:.0f} µs)")
+    except (KeyError, TypeError, ValueError):
+        return "link proxy's own overhead (measure_overhead): " + json.dumps(over)
 
 
 def print_link_usage(extra: dict, link_info: dict) -> None:
@@ -338,19 +351,19 @@ def print_link_usage(extra: dict, link_info: dict) -> None:
     print()
     over = link_info.get("overhead")
     if over is not None:
-        print("link proxy's own overhead (measure_overhead): "
-              + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in over.items()))
+        print(overhead_line(over))
     else:
         print(f"link proxy's own overhead: not measured ({link_info.get('overhead_error', 'unknown')})")
     phases = [k for k in extra if k.startswith("link_stats:")]
     if not phases:
         return
-    print("requests / connections through the link, per phase (median over runs):")
+    print("through the link, per phase (the proxy's stats(), median over runs): requests answered / "
+          "connections opened / connections used / MiB sent")
     for key in phases:
         cells = []
         for system, snaps in extra[key].items():
-            counts = [_usage_counts(s) for s in snaps]
-            names = sorted({n for c in counts for n in c})
-            cells.append(f"{system} " + " ".join(
-                f"{n}={median_or_none([c.get(n) for c in counts]):.0f}" for n in names))
+            med = {k: median_or_none([s.get(k) for s in snaps])
+                   for k in ("requests", "connections", "connections_used", "bytes")}
+            cells.append(f"{system} {fmt(med['requests'], '')} / {fmt(med['connections'], '')} / "
+                         f"{fmt(med['connections_used'], '')} / {(med['bytes'] or 0) / MIB:.1f}")
         print(f"  {key.split(':', 1)[1]}: " + "; ".join(cells))

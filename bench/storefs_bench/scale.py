@@ -1,7 +1,7 @@
 """The --scale setting: walking a bucket of millions of objects (bench/README.md, "--scale").
 
-The bucket is Tests/integration/scale_server.py's synthetic one (in a child process, see
-scale_server_child.py): D directories × F files (`dNNN/fNNNNN.bin`) plus `wide/` with W
+The bucket is Tests/integration/scale_server.py's synthetic one (ScaleServer serves it from
+a child process of its own): D directories × F files (`dNNN/fNNNNN.bin`) plus `wide/` with W
 entries. Its floor is `walk()`: the direct listing walk (delimited, sequential, one keep-alive
 connection, JSON decoded) — what listing the bucket costs before any filesystem is involved.
 
@@ -50,13 +50,15 @@ WIDE_MAX = 100_000
 FIND_TARGET = 1.5               # find ≤ 1.5 × walk (the issue's targets)
 LSR_TARGET = 2.5                # ls -lR ≤ 2.5 × walk
 RSS_TARGET_MIB = 256            # daemon VmRSS after find and after ls -lR
-NAMES_PER_LIST_TARGET = 900     # "about one list request per 1,000 names" (a 1,000-name page)
+NAMES_PER_LIST_TARGET = 900     # "about one list request per 1,000 names" (a full page is 1,000)
 RSS_GROWTH_SLACK = (1.10, 8.0)  # repeated finds: RSS may grow 10% + 8 MiB, not more
 
 
 # --------------------------------------------------------------------------- the bucket's shape
 @dataclass
 class Shape:
+    """The synthetic bucket: dirs × files objects plus wide/ with `wide` entries."""
+
     objects: int   # what --objects asked for (the dirs × files part)
     dirs: int
     files: int
@@ -84,6 +86,8 @@ def shape_for(text: str) -> Shape:
 # --------------------------------------------------------------------------- phases
 @dataclass
 class Phase:
+    """One --scale phase: its key in the results, its label, and which walk is its floor."""
+
     key: str
     label: str
     walk: str   # which walk is its floor: "full" (the whole bucket) or "wide" (wide/ alone)
@@ -226,7 +230,7 @@ class ScaleBench:
                     self.put(self.requests, k, system, dict(self.server.counts))
                     self.put(self.res, k, system, secs)
                     self.put(self.rss, k, system, proc_rss_mib(m.pid))
-                    log(f"  {system} {phase.key} {temp} {secs:.2f} s, VmRSS {self.rss[k][system][-1]:.1f} MiB, "
+                    log(f"  {system} {phase.key} {temp} {secs:.2f} s, VmRSS {_mib(self.rss[k][system][-1])}, "
                         f"requests {self.requests[k][system][-1]}")
                 self.put(self.rss_max, phase.key, system,
                          max(self.rss[f"{phase.key}:{t}"][system][-1] or 0.0 for t in ("cold", "warm")))
@@ -248,12 +252,13 @@ class ScaleBench:
                     self.run_phase("find", m)
                     rss.append(proc_rss_mib(m.pid))
             self.repeat_rss.setdefault(system, []).append(rss)
-            log(f"  {system} VmRSS after {FIND_REPEATS} finds on one mount: "
-                + ", ".join(f"{x:.1f}" for x in rss) + " MiB")
+            log(f"  {system} VmRSS after {FIND_REPEATS} finds on one mount: " + ", ".join(_mib(x) for x in rss))
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
     def measure_system(self, system: str, run_i: int) -> None:
+        """Every phase of one system in one run (storefs-v0: find only), then the repeated
+        finds; a failed phase is listed under the table and the next one runs."""
         phases = V0_PHASES if system == V0_SYSTEM else [p for p in PHASES if self.shape.wide or p.walk != "wide"]
         for phase in phases:
             if system in self.ctx.dead:
@@ -267,3 +272,8 @@ class ScaleBench:
                 self.repeated_finds(system)
             except (BenchError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
                 self.fail(run_i, system, "repeated finds", exc)
+
+
+def _mib(value) -> str:
+    """A VmRSS for the log; None when the daemon is gone (which the phase then reports)."""
+    return "-" if value is None else f"{value:.1f} MiB"

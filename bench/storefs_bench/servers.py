@@ -56,6 +56,8 @@ class FakeGCS:
         self.endpoint = ""
 
     def start(self) -> "FakeGCS":
+        """Start it and wait until it serves big.bin at the right size (3 tries, new port each
+        unless the port was given)."""
         binary = fake_gcs_binary()
         t0 = time.monotonic()
         for _attempt in range(3):
@@ -167,24 +169,31 @@ def link_module():
         raise BenchError(f"cannot import {LINK_FILE}: {exc!r}") from exc
 
 
-def start_link_proxy(profile: str, upstream_port: int):
-    """The link proxy for `profile` (wan|harsh) in front of upstream_port, stopped at exit."""
+def start_link_proxy(profile: str, upstream_port: int, workdir: str):
+    """The link proxy for `profile` (wan|harsh) in front of upstream_port, stopped at exit.
+    Its request log (what stats() reads) goes to the work dir, so it goes when the run ends."""
     mod = link_module()
-    proxy = mod.LinkProxy.profile(profile, upstream_port)
-    proxy.start()
+    log_path = os.path.join(workdir, "linkproxy.log")
+    open(log_path, "wb").close()
+    proxy = mod.LinkProxy.profile(profile, upstream_port, log_path=log_path)
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        raise BenchError(f"link proxy did not start: {exc}") from None
     at_cleanup(proxy.stop)
     log(f"link proxy '{profile}' ({mod.PROFILES[profile]}) on {proxy.url} -> 127.0.0.1:{upstream_port}")
     return proxy
 
 
-def link_info(profile: str, server: FakeGCS, size: int) -> dict:
-    """The link's profile and the proxy's own overhead (measure_overhead), for the report."""
+def link_info(profile: str, server: FakeGCS, size: int, workdir: str) -> dict:
+    """The link's profile and the proxy's own overhead (measure_overhead: curl direct and
+    through a proxy with no delays), for the report. Its proxy logs to the work dir."""
     mod = link_module()
     params = dict(mod.PROFILES[profile])
     info = {"profile": profile, "params": params,
             "description": f"'{profile}' ({', '.join(f'{k}={v}' for k, v in params.items())})"}
     try:
-        info["overhead"] = mod.measure_overhead(server.port, server.media_path(), size)
+        info["overhead"] = mod.measure_overhead(server.port, server.media_path(), size, workdir=workdir)
     except Exception as exc:  # noqa: BLE001 - the overhead line is informational
         info["overhead_error"] = repr(exc)
     return info

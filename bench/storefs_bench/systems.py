@@ -67,7 +67,7 @@ class RunContext:
         self.bucket = bucket
         self.server = None          # the server process whose CPU and bytes sent are measured
         self.endpoint = ""          # the origin the mounts talk to (the server, or the link proxy)
-        self.floor_url = ""         # the object floorfs serves
+        self.object_url = ""         # big.bin's media URL as clients reach it (curl, floorfs)
         self.storefs_bin = storefs_binary()
         self.storefs_src = self.storefs_bin
         self.storefs_sha = ""
@@ -81,6 +81,9 @@ class RunContext:
         self.mnt = os.path.join(workdir, "mnt")
         os.makedirs(self.mnt)
         self.local_big = ""
+        # Timeouts of pread passes and walks are multiplied by this: 5 through a modelled link,
+        # where every request pays a time-to-first-byte and new connections a setup delay.
+        self.timeout_factor = 1.0
         self._cache_n = 0
         self.dead: dict = {}  # system -> why it could not mount
 
@@ -112,7 +115,7 @@ class Mount:
         """(argv, fstype it shows in mountinfo) for this system."""
         c = self.ctx
         if self.system == "floor":
-            return ([c.floor_bin, c.floor_url, str(c.size), BIG, self.mnt], "fuse.floorfs")
+            return ([c.floor_bin, c.object_url, str(c.size), BIG, self.mnt], "fuse.floorfs")
         if self.system in STOREFS_VARIANTS:
             opts = c.storefs_options(self.cache_dir, STOREFS_VARIANTS[self.system])
             return [c.storefs_bin, "-f", "-o", opts, c.bucket, self.mnt], "fuse.storefs"
@@ -124,6 +127,7 @@ class Mount:
         raise BenchError(f"unknown system {self.system!r}")
 
     def start(self) -> "Mount":
+        """Start the daemon and wait (60 s at most) until mountinfo shows its fstype at mnt."""
         if mounted_fstype(self.mnt):
             raise BenchError(f"{self.mnt} is already a mount point")
         argv, fstype = self.argv()
@@ -172,6 +176,7 @@ class Mount:
         return proc_cpu_seconds(self.pid)
 
     def stop(self) -> None:
+        """fusermount3 -u, wait for the daemon; then umount -l and SIGTERM/SIGKILL by pid."""
         if mounted_fstype(self.mnt):
             subprocess.run(["fusermount3", "-u", self.mnt], capture_output=True, check=False)
             t = time.monotonic() + 5
