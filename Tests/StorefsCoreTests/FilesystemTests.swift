@@ -245,6 +245,26 @@ import StorageClient
         for h in handles { fs.release(h) }
     }
 
+    /// `du` and `ls -l` look up every name of the directory they read: while it is open its
+    /// listing answers, even after the cache evicted it for other directories' listings.
+    @Test func anOpenDirectoryAnswersLookupsAfterItsListingWasEvicted() throws {
+        for d in 0..<4 { for i in 0..<600 { store.put(String(format: "d%d/f%03d", d, i), [1]) } }
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 60, listTTL: 60, metadataCacheSize: 1024))
+        let d0 = try fs.lookup(parent: Filesystem.rootInode, name: "d0")
+        let h = try fs.openDirectory(d0.inode)
+        for d in 1..<4 {   // each listing (600 entries) evicts the one before from a 1024-entry cache
+            let other = try fs.lookup(parent: Filesystem.rootInode, name: "d\(d)")
+            fs.release(try fs.openDirectory(other.inode))
+        }
+        #expect(fs.cachedListingCounts.entries <= 1024)
+        let before = store.requests
+        for i in 0..<600 { _ = try fs.lookup(parent: d0.inode, name: String(format: "f%03d", i), network: .never) }
+        #expect(store.requests == before, "lookups in an open directory asked the bucket")
+        fs.release(h)
+        #expect(throws: FilesystemError.self) { _ = try fs.lookup(parent: d0.inode, name: "f599x", network: .never) }
+    }
+
     /// Any local user can look up names that do not exist: what is remembered of them stays
     /// bounded by metadata_cache_size.
     @Test func theNegativeCacheIsBounded() throws {

@@ -10,6 +10,7 @@ extension Filesystem {
         let path = try directoryPath(inode)
         let snapshot = try fullListing(path, network: network)
         prefetchListings(under: path, snapshot.listing)
+        listings.withLock { $0.pin(ByteName(path), snapshot) }
         return handles.withLock { $0.add(.directory(path: path, inode: inode, snapshot: snapshot)) }
     }
 
@@ -145,14 +146,19 @@ extension Filesystem {
     /// their own, so `find` and `ls -R` find the next listing ready (one level ahead of the
     /// walker, at most `listingPrefetch` directories).
     func prefetchListings(under dirPath: String, _ listing: DirectoryListing) {
-        guard config.listingPrefetch > 0, config.listTTL > 0 else { return }
+        guard config.listingPrefetch > 0, config.listTTL > 0, listings.withLock({ $0.hasRoomForPrefetch }) else { return }
         var queued = 0
         for (i, name) in listing.names.enumerated() where listing.entries[i] == .directory {
             if queued == config.listingPrefetch { break }
             let child = Self.join(dirPath, name)
             if freshSnapshot(child) != nil || listingFlights.withLock({ $0[ByteName(child)] != nil }) { continue }
             queued += 1
-            listingPool.submit { [self] in _ = try? self.fullListing(child, network: .allowed) }
+            listingPool.submit { [self] in
+                // Fetched ahead only while the cache has room: evicting listings in use to make
+                // room for ones not yet needed costs more requests than it saves.
+                guard listings.withLock({ $0.hasRoomForPrefetch }) else { return }
+                _ = try? self.fullListing(child, network: .allowed)
+            }
         }
     }
 

@@ -129,7 +129,11 @@ extension Filesystem {
 
     public func release(_ handle: UInt64) {
         let closed = handles.withLock { $0.open.removeValue(forKey: handle) }
-        if case .file(let file)? = closed { reader.closeStream(file.stream) }
+        switch closed {
+        case .file(let file)?: reader.closeStream(file.stream)
+        case .directory(let path, _, _)?: listings.withLock { $0.unpin(ByteName(path)) }
+        case nil: break
+        }
     }
 }
 

@@ -24,6 +24,10 @@ struct ListingCache {
 
     let capacity: Int
     private var listings: [ByteName: (snapshot: ListingSnapshot, sequence: UInt64)] = [:]
+    /// Listings of open directories: while a handle is open its listing answers lookups even
+    /// if the cache evicted it (`du` and `ls -l` look up every name of the directory they
+    /// read). Costs nothing: the handles hold these snapshots anyway.
+    private var pinned: [ByteName: (snapshot: ListingSnapshot?, count: Int)] = [:]
     private(set) var entryCount = 0
     private var nextSequence: UInt64 = 0
 
@@ -32,10 +36,25 @@ struct ListingCache {
     var count: Int { listings.count }
 
     /// The listing of `dir`, however old.
-    func last(_ dir: ByteName) -> ListingSnapshot? { listings[dir]?.snapshot }
+    func last(_ dir: ByteName) -> ListingSnapshot? { listings[dir]?.snapshot ?? pinned[dir]?.snapshot }
+
+    /// Whether the cache has room for listings fetched ahead of need (a quarter is kept free
+    /// for the listings a walker opens, so fetching ahead never evicts what is in use).
+    var hasRoomForPrefetch: Bool { entryCount < capacity * 3 / 4 }
+
+    mutating func pin(_ dir: ByteName, _ snapshot: ListingSnapshot) {
+        let count = (pinned[dir]?.count ?? 0) + 1
+        let newest = pinned[dir]?.snapshot.map { $0.fetched > snapshot.fetched ? $0 : snapshot } ?? snapshot
+        pinned[dir] = (newest, count)
+    }
+
+    mutating func unpin(_ dir: ByteName) {
+        guard let p = pinned[dir] else { return }
+        pinned[dir] = p.count > 1 ? (p.snapshot, p.count - 1) : nil
+    }
 
     mutating func store(_ dir: ByteName, _ snapshot: ListingSnapshot) {
-        invalidate(dir)
+        if let old = listings.removeValue(forKey: dir) { entryCount -= old.snapshot.listing.count }
         // A listing larger than the whole budget is not kept (its handles still have it).
         guard snapshot.listing.count <= capacity else { return }
         while !listings.isEmpty && (entryCount + snapshot.listing.count > capacity || listings.count >= Self.maxListings) {
@@ -48,6 +67,7 @@ struct ListingCache {
 
     mutating func invalidate(_ dir: ByteName) {
         if let old = listings.removeValue(forKey: dir) { entryCount -= old.snapshot.listing.count }
+        if let p = pinned[dir] { pinned[dir] = (nil, p.count) }
     }
 
     /// Drops the oldest eighth of the listings (at least one).
