@@ -520,9 +520,10 @@ def test_v4_signed_url_verifies_and_names_the_object(bare_mount, gcs_auth_proxy,
     status, _, body = _http(f"{emulator.endpoint}{parts.path}?{parts.query}",
                             headers={"Host": "storage.googleapis.com"})
     assert (status, body) == (200, GCS_FILES[name]), "the signed path does not fetch the object"
-    # a Firebase token still wins over signing
+    # a Firebase token still wins over signing (its URL is on the mount's endpoint, which is
+    # not Google's: README, "Download URLs")
     assert os.getxattr(m.p("tok/has-token.txt"), URL_ATTR).decode() == v0_url(
-        "https://firebasestorage.googleapis.com", CB, "tok/has-token.txt", "gcs-tok-1")
+        gcs_auth_proxy.endpoint, CB, "tok/has-token.txt", "gcs-tok-1")
     short = bare_mount(CB, endpoint=gcs_auth_proxy.endpoint, options=[*base, "url_expiry=600"])
     url = os.getxattr(short.p("files/f5.txt"), URL_ATTR).decode()
     assert verify_v4_signed_url(url, key.public_key, CB, "files/f5.txt")["expires"] == 600
@@ -580,7 +581,7 @@ def test_url_xattr_with_allow_other(bare_mount, gcs_auth_proxy, auth_server, buc
     opts = [f"token_file={tf}", "allow_other"] + ([f"url_xattr={mode}"] if mode else [])
     m = bare_mount(CB, endpoint=gcs_auth_proxy.endpoint, options=opts)
     path = m.p("tok/has-token.txt")
-    want = v0_url("https://firebasestorage.googleapis.com", CB, "tok/has-token.txt", "gcs-tok-1")
+    want = v0_url(gcs_auth_proxy.endpoint, CB, "tok/has-token.txt", "gcs-tok-1")
     assert os.getxattr(path, URL_ATTR).decode() == want, "root may always read it"
     rc, out = _xattr_as(NOBODY, path, "user.storefs.gs_uri")
     assert rc == 0 and out == f"gs://{CB}/tok/has-token.txt", f"other xattrs stay readable: {out!r}"
