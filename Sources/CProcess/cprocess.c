@@ -5,3 +5,5 @@
 int cprocess_make_undumpable(void) { return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); }
 
 int cprocess_malloc_trim(void) { return malloc_trim(0); }
+
+int cprocess_limit_arenas(int arenas) { return mallopt(M_ARENA_MAX, arenas); }

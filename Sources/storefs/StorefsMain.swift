@@ -69,6 +69,7 @@ enum StorefsMain {
 
     static func mount(_ o: MountOptions) -> Int32 {
         Log.configure(level: o.logLevel)
+        MemoryReturn.limitArenas()
         // It holds tokens and keys: no core dumps, no same-user ptrace or /proc/PID/mem.
         if !MemoryReturn.makeUndumpable() { Log.debug("prctl(PR_SET_DUMPABLE, 0) failed") }
         scrubSecretsFromCommandLine()

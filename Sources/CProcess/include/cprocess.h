@@ -8,4 +8,6 @@
 int cprocess_make_undumpable(void);
 /* Returns free malloc pages to the system (malloc_trim). */
 int cprocess_malloc_trim(void);
+/* Caps glibc's malloc arenas (mallopt M_ARENA_MAX); 1 on success. */
+int cprocess_limit_arenas(int arenas);
 #endif
