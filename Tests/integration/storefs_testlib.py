@@ -7,6 +7,7 @@ conftest.py turns these into fixtures; test modules import the helpers directly
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime as _dt
 import errno
 import gzip
@@ -774,3 +775,24 @@ def crc32c(data: bytes) -> int:
     for b in data:
         crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
+
+
+@contextlib.contextmanager
+def storefs_on_path(storefs_bin: str):
+    """mount(8) runs fuse3's mount helper, which runs `storefs` from the default PATH: link the
+    binary under test at /usr/local/bin for the duration (refusing to replace another one)."""
+    link = "/usr/local/bin/storefs"
+    created = False
+    if os.path.lexists(link):
+        if os.path.realpath(link) != os.path.realpath(storefs_bin):
+            pytest.fail(f"{link} exists and is not {storefs_bin} "
+                        f"(it resolves to {os.path.realpath(link)}); remove it to run this test",
+                        pytrace=False)
+    else:
+        os.symlink(storefs_bin, link)
+        created = True
+    try:
+        yield
+    finally:
+        if created:
+            os.unlink(link)

@@ -9,7 +9,7 @@ import pytest
 
 from gcs_emulator import free_port
 from storefs_testlib import (BUCKET, EXIT_TIMEOUT_S, is_mounted, mount_at,
-                             pid_alive, pids_with_arg, run_storefs, wait_pid_gone,
+                             pid_alive, pids_with_arg, run_storefs, storefs_on_path, wait_pid_gone,
                              wait_unmounted)
 
 HELLO = "files/hello.txt"
@@ -143,17 +143,7 @@ def test_relative_mountpoint_unmounts_on_sigterm(mount, corpus):
 
 # ---------------------------------------------------------------- mount(8)
 def test_mount_t_fuse_storefs(mount, emulator, corpus, storefs_bin):
-    link = "/usr/local/bin/storefs"
-    created = False
-    if os.path.lexists(link):
-        if os.path.realpath(link) != os.path.realpath(storefs_bin):
-            pytest.fail(f"{link} exists and is not {storefs_bin} "
-                        f"(it resolves to {os.path.realpath(link)}); remove it to run this test",
-                        pytrace=False)
-    else:
-        os.symlink(storefs_bin, link)
-        created = True
-    try:
+    with storefs_on_path(storefs_bin):
         mnt, cache = mount.new_dir("mnt"), mount.new_dir("cache")
         m = mount.adopt(mnt, cache)
         r = subprocess.run(["mount", "-t", "fuse.storefs", BUCKET, mnt, "-o",
@@ -170,6 +160,3 @@ def test_mount_t_fuse_storefs(mount, emulator, corpus, storefs_bin):
         for pid in daemons:
             assert wait_pid_gone(pid, EXIT_TIMEOUT_S), f"storefs pid {pid} still running"
         assert not is_mounted(mnt)
-    finally:
-        if created:
-            os.unlink(link)

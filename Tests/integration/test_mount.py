@@ -6,7 +6,6 @@ Objects for the exec tests live in `mountfit-bucket`; the rest reads the corpus 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import subprocess
 import pytest
 
 from storefs_testlib import (BUCKET, EXIT_TIMEOUT_S, is_mounted, mount_at, pid_alive, pids_with_arg,
-                             wait_pid_gone)
+                             storefs_on_path, wait_pid_gone)
 
 MB = "mountfit-bucket"
 SCRIPT = "bin/run.sh"
@@ -65,24 +64,6 @@ def test_the_kernel_source_is_source_as_written(mount, corpus, source):
     assert mount_at(m.path)[2] == source
 
 
-@contextlib.contextmanager
-def _storefs_on_path(storefs_bin):
-    """mount(8) runs mount.fuse3, which runs `storefs` from PATH: /usr/local/bin for the test."""
-    link = "/usr/local/bin/storefs"
-    created = False
-    if os.path.lexists(link):
-        if os.path.realpath(link) != os.path.realpath(storefs_bin):
-            pytest.fail(f"{link} exists and is not {storefs_bin}; remove it to run this test", pytrace=False)
-    else:
-        os.symlink(storefs_bin, link)
-        created = True
-    try:
-        yield
-    finally:
-        if created:
-            os.unlink(link)
-
-
 def test_mount_a_twice_is_idempotent(mount, emulator, corpus, storefs_bin):
     forms = ["test-bucket", "gs://test-bucket", "gs://test-bucket/files"]
     points = [mount.new_dir("mnt") for _ in forms]
@@ -93,7 +74,7 @@ def test_mount_a_twice_is_idempotent(mount, emulator, corpus, storefs_bin):
                     f"cache_dir={mount.new_dir('cache')},_netdev,nofail 0 0\n")
     for source, mnt in zip(forms, points):
         mount.adopt(mnt, "")
-    with _storefs_on_path(storefs_bin):
+    with storefs_on_path(storefs_bin):
         for attempt in (1, 2):
             r = subprocess.run(["mount", "-a", "-T", fstab, "-t", "fuse.storefs"], capture_output=True,
                                text=True, timeout=120)
