@@ -16,6 +16,7 @@ Where a number comes from:
     phases.py     the loopback (and --link) rows measured on each mount
     scale.py      the --scale rows: listing walks of a bucket of millions of objects
     report.py     medians, ratios, verdicts, the tables and the JSON file
+    chart.py      --chart: the table as bars (matplotlib), from a run or a saved JSON file
 
 `bench/run` only parses arguments, picks the setting and calls these.
 """
