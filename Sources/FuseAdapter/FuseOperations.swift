@@ -11,19 +11,26 @@ private func context(_ req: fuse_req_t?) -> FuseContext {
     Unmanaged<FuseContext>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
 }
 
-private func reply(_ req: fuse_req_t?, _ error: FilesystemError) {
-    _ = fuse_reply_err(req, Errno.value(for: error.code))
+/// Replies with an error; returns the errno sent.
+@discardableResult
+private func reply(_ req: fuse_req_t?, _ error: FilesystemError) -> Int32 {
+    let e = Errno.value(for: error.code)
+    _ = fuse_reply_err(req, e)
+    return e
 }
 
 /// Runs a callback's work and, if it throws, replies with the error's errno (EIO for anything
-/// that is not a FilesystemError). The work itself sends the success reply.
-private func answering(_ req: fuse_req_t?, _ work: () throws -> Void) {
+/// that is not a FilesystemError). The work itself sends the success reply. `trace` learns
+/// the result.
+private func answering(_ req: fuse_req_t?, _ trace: OpTrace, _ work: () throws -> Void) {
     do {
         try work()
+        trace.finish()
     } catch let e as FilesystemError {
-        reply(req, e)
+        trace.finish(reply(req, e))
     } catch {
         _ = fuse_reply_err(req, EIO)
+        trace.finish(EIO)
     }
 }
 
@@ -31,17 +38,19 @@ private func answering(_ req: fuse_req_t?, _ work: () throws -> Void) {
 /// (`Network.never`: no hop, no wait); when that needs the bucket, asked again on a metadata
 /// worker, where the request's INTERRUPT (Ctrl-C, a killed caller) cancels the wait and the
 /// request. `work` replies on success and throws otherwise.
-private func withMetadata(_ req: fuse_req_t?, _ work: @escaping @Sendable (Network, fuse_req_t?) throws -> Void) {
+private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escaping @Sendable (Network, fuse_req_t?) throws -> Void) {
     do {
         try work(.never, req)
+        trace.finish()
         return
     } catch let e as FilesystemError where e.code == .wouldBlock {
         // below
     } catch let e as FilesystemError {
-        reply(req, e)
+        trace.finish(reply(req, e))
         return
     } catch {
         _ = fuse_reply_err(req, EIO)
+        trace.finish(EIO)
         return
     }
     let ctx = context(req)
@@ -51,15 +60,19 @@ private func withMetadata(_ req: fuse_req_t?, _ work: @escaping @Sendable (Netwo
         defer { ctx.inFlight.subtract(1, ordering: .releasing) }
         let interrupted: @Sendable () -> Bool = { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) }
         if interrupted() {
-            _ = fuse_reply_err(r.raw, Errno.value(for: .storage(.cancelled)))
+            let e = Errno.value(for: .storage(.cancelled))
+            _ = fuse_reply_err(r.raw, e)
+            trace.finish(e)
             return
         }
-        answering(r.raw) { try work(.allowed(isCancelled: interrupted), r.raw) }
+        answering(r.raw, trace) { try work(.allowed(isCancelled: interrupted), r.raw) }
     }
 }
 
-private func replyReadOnly(_ req: fuse_req_t?) {
-    _ = fuse_reply_err(req, Errno.value(for: .readOnly))
+private func replyReadOnly(_ req: fuse_req_t?, _ op: FuseOp, _ inode: fuse_ino_t) {
+    let e = Errno.value(for: .readOnly)
+    _ = fuse_reply_err(req, e)
+    OpTrace.record(op, inode: UInt64(inode), errno: e, started: clockSeconds())
 }
 
 /// The uid of the process behind a request (who asks for a capability attribute).
@@ -122,6 +135,11 @@ func makeOperations() -> fuse_lowlevel_ops {
         // With the bdi read_ahead_kb raised at mount, this makes sequential reads arrive as 1 MiB requests.
         conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
+        // O_DIRECT reads as requests of the reading thread: a signal it handles (Ctrl-C in
+        // `storefs prefetch`) then reaches the daemon as an INTERRUPT. With libfuse's default
+        // async direct I/O the reader sleeps uninterruptibly until the download ends
+        // (docs/fuse-notes.md, item 11).
+        conn.pointee.want &= ~UInt32(FUSE_CAP_ASYNC_DIO)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_AUTO_INVAL_DATA)
         // The kernel keeps a symlink's target in its page cache (stat_ttl bounds it, as data).
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_CACHE_SYMLINKS)
@@ -133,10 +151,13 @@ func makeOperations() -> fuse_lowlevel_ops {
         // Object names are UTF-8: a name that is not cannot be one (and must not be
         // "repaired" into another object's name).
         guard let child = String(validatingCString: name!) else {
-            _ = fuse_reply_err(req, Errno.value(for: .noEntry))
+            let e = Errno.value(for: .noEntry)
+            _ = fuse_reply_err(req, e)
+            OpTrace.record(.lookup, inode: UInt64(parent), name: Log.escaped(String(cString: name!)), errno: e, started: clockSeconds())
             return
         }
-        withMetadata(req) { network, req in
+        let trace = OpTrace(.lookup, inode: UInt64(parent), name: child)
+        withMetadata(req, trace) { network, req in
             do {
                 let a = try fs.lookup(parent: UInt64(parent), name: child, network: network)
                 replyEntry(req, a, timeout: fs.config.statTTL)
@@ -145,13 +166,16 @@ func makeOperations() -> fuse_lowlevel_ops {
                 var entry = fuse_entry_param()
                 entry.entry_timeout = fs.config.negativeTTL
                 _ = fuse_reply_entry(req, &entry)
+                trace.result = ENOENT
             }
         }
     }
 
     ops.forget = { req, ino, nlookup in
+        let started = clockSeconds()
         context(req).fs.forget(UInt64(ino), count: UInt64(nlookup))
         fuse_reply_none(req)
+        OpTrace.record(.forget, inode: UInt64(ino), errno: 0, started: started)
     }
 
     ops.forget_multi = { req, count, forgets in
@@ -161,11 +185,12 @@ func makeOperations() -> fuse_lowlevel_ops {
             fs.forget(UInt64(f.ino), count: UInt64(f.nlookup))
         }
         fuse_reply_none(req)
+        Metrics.shared.fuseOps(.forget, count: count)
     }
 
     ops.getattr = { req, ino, _ in
         let fs = context(req).fs
-        withMetadata(req) { network, req in
+        withMetadata(req, OpTrace(.getattr, inode: UInt64(ino))) { network, req in
             var st = makeStat(try fs.attributes(of: UInt64(ino), network: network))
             _ = fuse_reply_attr(req, &st, fs.config.statTTL)
         }
@@ -173,7 +198,7 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     ops.readlink = { req, ino in
         let fs = context(req).fs
-        withMetadata(req) { network, req in
+        withMetadata(req, OpTrace(.readlink, inode: UInt64(ino))) { network, req in
             let target = try fs.readLink(UInt64(ino), network: network)
             _ = fuse_reply_readlink(req, target)
         }
@@ -182,7 +207,7 @@ func makeOperations() -> fuse_lowlevel_ops {
     ops.opendir = { req, ino, fi in
         let fs = context(req).fs
         let copy = FileInfo(info: fi!.pointee)
-        withMetadata(req) { network, req in
+        withMetadata(req, OpTrace(.opendir, inode: UInt64(ino))) { network, req in
             var info = copy.info
             info.fh = try fs.openDirectory(UInt64(ino), network: network)
             info.cache_readdir = 0
@@ -190,9 +215,9 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
-    ops.readdir = { req, _, size, off, fi in
+    ops.readdir = { req, ino, size, off, fi in
         let fs = context(req).fs
-        answering(req) {
+        answering(req, OpTrace(.readdir, inode: UInt64(ino))) {
             // A dirent takes at least 32 bytes: no more entries than fit are made.
             let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off), limit: size / 32 + 1)
             var buffer = [CChar](repeating: 0, count: size)
@@ -208,10 +233,10 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
-    ops.readdirplus = { req, _, size, off, fi in
+    ops.readdirplus = { req, ino, size, off, fi in
         let fs = context(req).fs
         let handle = fi!.pointee.fh
-        answering(req) {
+        answering(req, OpTrace(.readdirplus, inode: UInt64(ino))) {
             // A direntplus takes at least 152 bytes (entry_out + dirent): no more are made.
             let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 152 + 1)
             let sizes = entries.map { fuse_add_direntry_plus(req, nil, 0, $0.name, nil, 0) }
@@ -243,15 +268,17 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
-    ops.releasedir = { req, _, fi in
+    ops.releasedir = { req, ino, fi in
+        let started = clockSeconds()
         context(req).fs.release(fi!.pointee.fh)
         _ = fuse_reply_err(req, 0)
+        OpTrace.record(.releasedir, inode: UInt64(ino), errno: 0, started: started)
     }
 
     ops.open = { req, ino, fi in
         let fs = context(req).fs
         let copy = FileInfo(info: fi!.pointee)
-        withMetadata(req) { network, req in
+        withMetadata(req, OpTrace(.open, inode: UInt64(ino))) { network, req in
             var info = copy.info
             let opened = try fs.open(UInt64(ino), flags: info.flags, network: network)
             info.fh = opened.handle
@@ -260,7 +287,9 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
-    ops.read = { req, _, size, off, fi in
+    ops.read = { req, ino, size, off, fi in
+        let started = clockSeconds()
+        let inode = UInt64(ino)
         let ctx = context(req)
         let handle = fi!.pointee.fh
         let count = min(size, ctx.buffers.bufferSize)
@@ -270,15 +299,18 @@ func makeOperations() -> fuse_lowlevel_ops {
             if let n = try ctx.fs.readCached(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])) {
                 _ = fuse_reply_buf(req, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
                 ctx.buffers.give(buffer)
+                OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
                 return
             }
         } catch let e as FilesystemError {
-            reply(req, e)
+            let errno = reply(req, e)
             ctx.buffers.give(buffer)
+            OpTrace.record(.read, inode: inode, errno: errno, started: started)
             return
         } catch {
             _ = fuse_reply_err(req, EIO)
             ctx.buffers.give(buffer)
+            OpTrace.record(.read, inode: inode, errno: EIO, started: started)
             return
         }
         // A miss waits on the network: a worker replies later.
@@ -297,24 +329,28 @@ func makeOperations() -> fuse_lowlevel_ops {
                                         isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) },
                                         afterReply: later)
                 _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
             } catch let e as FilesystemError {
-                reply(r.raw, e)
+                OpTrace.record(.read, inode: inode, errno: reply(r.raw, e), started: started)
             } catch {
                 _ = fuse_reply_err(r.raw, EIO)
+                OpTrace.record(.read, inode: inode, errno: EIO, started: started)
             }
         }
     }
 
-    ops.release = { req, _, fi in
+    ops.release = { req, ino, fi in
+        let started = clockSeconds()
         context(req).fs.release(fi!.pointee.fh)
         _ = fuse_reply_err(req, 0)
+        OpTrace.record(.release, inode: UInt64(ino), errno: 0, started: started)
     }
 
     ops.getxattr = { req, ino, name, size in
         let fs = context(req).fs
         let attribute = String(cString: name!)
         let uid = requester(req)
-        withMetadata(req) { network, req in
+        withMetadata(req, OpTrace(.getxattr, inode: UInt64(ino), name: attribute)) { network, req in
             replyXattr(req, try fs.extendedAttribute(UInt64(ino), name: attribute, requester: uid, network: network), size: size)
         }
     }
@@ -322,35 +358,45 @@ func makeOperations() -> fuse_lowlevel_ops {
     ops.listxattr = { req, ino, size in
         let fs = context(req).fs
         let uid = requester(req)
-        withMetadata(req) { network, req in
+        withMetadata(req, OpTrace(.listxattr, inode: UInt64(ino))) { network, req in
             var list: [UInt8] = []
             for name in try fs.extendedAttributeNames(UInt64(ino), requester: uid, network: network) { list += Array(name.utf8) + [0] }
             replyXattr(req, list, size: size)
         }
     }
 
-    ops.statfs = { req, _ in
+    // The block cache's capacity and free space, and names remembered (README, "df").
+    ops.statfs = { req, ino in
+        let started = clockSeconds()
+        let usage = context(req).fs.usage()
         var st = statvfs()
-        st.f_bsize = 1 << 20
-        st.f_frsize = 1 << 20
-        st.f_namemax = 255
+        st.f_bsize = UInt(usage.blockSize)
+        st.f_frsize = UInt(usage.blockSize)
+        st.f_blocks = fsblkcnt_t(usage.blocks)
+        st.f_bfree = fsblkcnt_t(usage.freeBlocks)
+        st.f_bavail = fsblkcnt_t(usage.freeBlocks)
+        st.f_files = fsfilcnt_t(usage.files)
+        st.f_ffree = fsfilcnt_t(usage.freeFiles)
+        st.f_favail = fsfilcnt_t(usage.freeFiles)
+        st.f_namemax = 1024
         st.f_flag = UInt(ST_RDONLY)
         _ = fuse_reply_statfs(req, &st)
+        OpTrace.record(.statfs, inode: UInt64(ino), errno: 0, started: started)
     }
 
     // Everything that would change the bucket.
-    ops.setattr = { req, _, _, _, _ in replyReadOnly(req) }
-    ops.mknod = { req, _, _, _, _ in replyReadOnly(req) }
-    ops.mkdir = { req, _, _, _ in replyReadOnly(req) }
-    ops.unlink = { req, _, _ in replyReadOnly(req) }
-    ops.rmdir = { req, _, _ in replyReadOnly(req) }
-    ops.symlink = { req, _, _, _ in replyReadOnly(req) }
-    ops.rename = { req, _, _, _, _, _ in replyReadOnly(req) }
-    ops.link = { req, _, _, _ in replyReadOnly(req) }
-    ops.create = { req, _, _, _, _ in replyReadOnly(req) }
-    ops.write = { req, _, _, _, _, _ in replyReadOnly(req) }
-    ops.setxattr = { req, _, _, _, _, _ in replyReadOnly(req) }
-    ops.removexattr = { req, _, _ in replyReadOnly(req) }
-    ops.fallocate = { req, _, _, _, _, _ in replyReadOnly(req) }
+    ops.setattr = { req, ino, _, _, _ in replyReadOnly(req, .setattr, ino) }
+    ops.mknod = { req, ino, _, _, _ in replyReadOnly(req, .mknod, ino) }
+    ops.mkdir = { req, ino, _, _ in replyReadOnly(req, .mkdir, ino) }
+    ops.unlink = { req, ino, _ in replyReadOnly(req, .unlink, ino) }
+    ops.rmdir = { req, ino, _ in replyReadOnly(req, .rmdir, ino) }
+    ops.symlink = { req, _, ino, _ in replyReadOnly(req, .symlink, ino) }
+    ops.rename = { req, ino, _, _, _, _ in replyReadOnly(req, .rename, ino) }
+    ops.link = { req, ino, _, _ in replyReadOnly(req, .link, ino) }
+    ops.create = { req, ino, _, _, _ in replyReadOnly(req, .create, ino) }
+    ops.write = { req, ino, _, _, _, _ in replyReadOnly(req, .write, ino) }
+    ops.setxattr = { req, ino, _, _, _, _ in replyReadOnly(req, .setxattr, ino) }
+    ops.removexattr = { req, ino, _ in replyReadOnly(req, .removexattr, ino) }
+    ops.fallocate = { req, ino, _, _, _, _ in replyReadOnly(req, .fallocate, ino) }
     return ops
 }

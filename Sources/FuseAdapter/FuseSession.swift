@@ -39,7 +39,7 @@ public enum FuseSession {
         public var description: String { message }
     }
 
-    /// Runs until unmounted or signalled (SIGTERM, SIGINT, SIGHUP); returns the exit status.
+    /// Runs until unmounted or signalled (SIGTERM, SIGINT); returns the exit status.
     /// `ready` runs once the mount exists and this is the process that serves it (after fork).
     public static func run(_ fs: Filesystem, _ settings: Settings, ready: () -> Void) throws(MountError) -> Int32 {
         let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers)
@@ -90,8 +90,9 @@ public enum FuseSession {
         if !settings.foreground {
             // mount(8) waits for us: the parent exits here once the mount exists.
             guard fuse_daemonize(0) == 0 else { throw MountError(message: "cannot daemonize") }
-            Log.useSyslog()
+            Log.daemonized()
         }
+        SignalThread.start(summary: { fs.summaryFields() })
         ctx.startWorkers()
         // After daemonizing (fork keeps only the calling thread), like every worker.
         let notifier = KernelNotifier(se)

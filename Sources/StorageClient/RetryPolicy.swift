@@ -48,8 +48,11 @@ public struct RetryPolicy: Sendable {
         let deadline = monotonicNow() + budget
         var delay = firstDelay
         var attempt = 1
+        let outer = StorageTelemetry.attempt  // a token fetch runs inside a read's try
+        defer { StorageTelemetry.attempt = outer }
         while true {
             do {
+                StorageTelemetry.attempt = attempt
                 return try body(deadline)
             } catch {
                 guard attempt < attempts, isRetryable(error) else { throw error }
@@ -62,6 +65,7 @@ public struct RetryPolicy: Sendable {
                 if !Self.sleep(wait, isCancelled: isCancelled) {
                     throw StorageError(.cancelled, "interrupted while waiting to retry: \(error.message)")
                 }
+                StorageTelemetry.onRetry?(error)
                 delay = min(delay * 2, maxDelay)
                 attempt += 1
             }

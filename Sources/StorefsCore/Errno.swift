@@ -40,3 +40,30 @@ public enum Errno {
         }
     }
 }
+
+extension Errno {
+    /// The symbolic name of an errno value, for logs and metrics ("ENOENT"); unknown values
+    /// as their number.
+    public static func name(_ value: Int32) -> String {
+        switch value {
+        case 0: return "OK"
+        case ENOENT: return "ENOENT"
+        case EROFS: return "EROFS"
+        case ENOTDIR: return "ENOTDIR"
+        case EISDIR: return "EISDIR"
+        case ENAMETOOLONG: return "ENAMETOOLONG"
+        case ENODATA: return "ENODATA"
+        case EACCES: return "EACCES"
+        case ERANGE: return "ERANGE"
+        case EBADF: return "EBADF"
+        case EINVAL: return "EINVAL"
+        case ELOOP: return "ELOOP"
+        case EAGAIN: return "EAGAIN"
+        case ESTALE: return "ESTALE"
+        case EIO: return "EIO"
+        case EINTR: return "EINTR"
+        case ENOSYS: return "ENOSYS"
+        default: return "E\(value)"
+        }
+    }
+}

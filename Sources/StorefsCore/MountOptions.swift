@@ -74,6 +74,14 @@ public struct MountOptions: Sendable, Equatable {
     public var dirMode: UInt32 = 0o755
     public var allowOther = false
     public var logLevel: LogLevel = .info
+    /// docs/operations.md, "Logs": where the daemon's lines go once daemonized (nil: syslog)
+    /// and how they are written.
+    public var logFile: String?
+    public var logFormat = LogFormat.text
+    /// `metrics=HOST:PORT`: Prometheus text at /metrics; loopback only unless `metricsBindAny`.
+    public var metricsHost: String?
+    public var metricsPort = 0
+    public var metricsBindAny = false
     /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
     public var fuseOptions: [String] = []
 
@@ -81,6 +89,9 @@ public struct MountOptions: Sendable, Equatable {
         case help
         case version
         case mount(MountOptions)
+        /// `storefs prefetch …` and `storefs cache …`: the arguments after the word.
+        case prefetch([String])
+        case cache([String])
     }
 
     public struct ParseError: Error, Sendable, Equatable, CustomStringConvertible {
@@ -99,6 +110,8 @@ public struct MountOptions: Sendable, Equatable {
 
     public static let usage = """
         usage: storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT
+               storefs prefetch [-j N] PATH...        (warm the block cache through a mount)
+               storefs cache status|clear [--force] [CACHE_DIR]
                storefs --help | --version
 
         Mounts a Google Cloud Storage / Firebase Storage bucket as a read-only filesystem.
@@ -142,14 +155,23 @@ public struct MountOptions: Sendable, Equatable {
           -o file_mode=OCTAL mode of files (default 0644); dir_mode=OCTAL for directories (default 0755);
                              permission bits only (no setuid, setgid or sticky bit)
           -o allow_other     let other users see the mount
-          -o log_level=L     error, warn, info (default), debug, trace
+          -o log_level=L     error, warn, info (default), debug (a line per FUSE operation and HTTP request), trace
+          -o log_file=PATH   append log lines to PATH (reopened on SIGHUP) instead of syslog
+          -o log_format=F    text (default: ts=… level=… msg=… key=value) or json (one object per line)
+          -o metrics=ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics (loopback only unless
+                             metrics_bind_any is given)
           -o noexec,nosuid,nodev / exec,suid,dev  kernel mount flags (default exec,nosuid,nodev)
           -o nonempty        mount over a non-empty directory (hiding its contents)
         mount(8) options such as rw, ro, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
-        See storefs(8).
+        A bucket named prefetch or cache is written gs://prefetch, gs://cache. See storefs(8).
         """
 
     public static func parse(arguments: [String], environment: [String: String]) throws(ParseError) -> Command {
+        switch arguments.first {
+        case "prefetch": return .prefetch(Array(arguments.dropFirst()))
+        case "cache": return .cache(Array(arguments.dropFirst()))
+        default: break
+        }
         var positionals: [String] = []
         var optionItems: [String] = []
         var foreground = false
@@ -257,6 +279,11 @@ public struct MountOptions: Sendable, Equatable {
             case "dir_mode": o.dirMode = try mode(key, value)
             case "log_level":
                 o.logLevel = try choice(key, value, "one of error, warn, info, debug, trace") { LogLevel(name: $0) }
+            case "log_file": o.logFile = try require(key, value)
+            case "log_format":
+                o.logFormat = try choice(key, value, "text or json") { LogFormat(rawValue: $0.lowercased()) }
+            case "metrics": (o.metricsHost, o.metricsPort) = try hostPort(key, value)
+            case "metrics_bind_any": try flag(key, value); o.metricsBindAny = true
             case _ where forwardedFlags.contains(key) && value == nil:
                 if key == "allow_other" { o.allowOther = true }
                 o.fuseOptions.append(key)
@@ -288,6 +315,9 @@ public struct MountOptions: Sendable, Equatable {
         if o.email != nil && o.apiKey == nil {
             throw ParseError(message: "email= sign-in needs the project's Web API key: add api_key=KEY")
         }
+        if let host = o.metricsHost, !o.metricsBindAny, !isLoopbackHost(host) {
+            throw ParseError(message: "metrics=\(host):\(o.metricsPort) would serve metrics beyond this machine: use 127.0.0.1, or add metrics_bind_any if that is meant")
+        }
         if o.apiKey != nil && o.storageProtocol != .firebase {
             throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")
         }
@@ -312,6 +342,28 @@ public struct MountOptions: Sendable, Equatable {
     private static func keyValue(_ item: String) -> (String, String?) {
         guard let eq = item.firstIndex(of: "=") else { return (item, nil) }
         return (String(item[..<eq]), String(item[item.index(after: eq)...]))
+    }
+
+    /// `PORT` (on 127.0.0.1) or `ADDRESS:PORT`.
+    private static func hostPort(_ key: String, _ value: String?) throws(ParseError) -> (String, Int) {
+        let v = try require(key, value)
+        let host: String
+        let portText: String
+        if let colon = v.lastIndex(of: ":") {
+            host = String(v[..<colon])
+            portText = String(v[v.index(after: colon)...])
+        } else {
+            host = "127.0.0.1"
+            portText = v
+        }
+        guard !host.isEmpty, let port = Int(portText), (1...65535).contains(port) else {
+            throw ParseError(message: "\(key)=\(v) is not ADDRESS:PORT such as 127.0.0.1:9464")
+        }
+        return (host, port)
+    }
+
+    static func isLoopbackHost(_ host: String) -> Bool {
+        host == "localhost" || host.hasPrefix("127.")
     }
 
     private static func require(_ key: String, _ value: String?) throws(ParseError) -> String {

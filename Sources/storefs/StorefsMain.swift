@@ -25,6 +25,10 @@ enum StorefsMain {
             return 0
         case .mount(let options):
             return mount(options)
+        case .prefetch(let arguments):
+            return PrefetchCommand.run(arguments)
+        case .cache(let arguments):
+            return CacheCommand.run(arguments, environment: env)
         }
     }
 
@@ -68,7 +72,17 @@ enum StorefsMain {
     }
 
     static func mount(_ o: MountOptions) -> Int32 {
-        Log.configure(level: o.logLevel)
+        Log.configure(level: o.logLevel, format: o.logFormat)
+        if let path = o.logFile {
+            do throws(LogFile.Refused) {
+                Log.use(file: try LogFile(path: absolute(path)))
+            } catch {
+                return fail(error.message)
+            }
+        } else if !o.foreground && access("/dev/log", W_OK) != 0 {
+            Log.warn("no syslog here (/dev/log is missing): the daemon's log lines will be lost; give -o log_file=PATH to keep them")
+        }
+        Metrics.shared.observeStorage()
         MemoryReturn.limitArenas()
         // It holds tokens and keys: no core dumps, no same-user ptrace or /proc/PID/mem.
         if !MemoryReturn.makeUndumpable() { Log.debug("prctl(PR_SET_DUMPABLE, 0) failed") }
@@ -172,6 +186,14 @@ enum StorefsMain {
         } catch {
             return fail(error.message)
         }
+        var metrics: MetricsServer? = nil
+        if let host = o.metricsHost {
+            do throws(MetricsServer.Refused) {
+                metrics = try MetricsServer(host: host, port: o.metricsPort)
+            } catch {
+                return fail(error.message)
+            }
+        }
         let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead, parallel: o.parallel,
                                                memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites))
@@ -186,7 +208,12 @@ enum StorefsMain {
                                             mountFlags: [o.exec ? "exec" : "noexec", o.suid ? "suid" : "nosuid",
                                                          o.dev ? "dev" : "nodev"])
         do {
-            return try FuseSession.run(fs, settings, ready: { MemoryReturn.startTrimming() })
+            return try FuseSession.run(fs, settings, ready: {
+                MemoryReturn.startTrimming()
+                Log.startBackground()
+                metrics?.start(render: { fs.prometheusText() })
+                cache.recordOwner(mountpoint: mountpoint)
+            })
         } catch {
             return fail(error.message)
         }

@@ -82,8 +82,37 @@ public final class HTTPClient: Sendable {
         pool.withLock { $0.idle.append(box) }
     }
 
+    /// One exchange, reported to `StorageTelemetry.onExchange` (logs and metrics) when set.
     private func perform(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
                          isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]? = nil) throws(StorageError) -> HTTPResponse {
+        guard let observe = StorageTelemetry.onExchange else {
+            return try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody)
+        }
+        let started = monotonicNow()
+        var ranged = false
+        if case .window = sink { ranged = true }
+        var record = HTTPExchangeRecord(method: postBody == nil ? "GET" : "POST",
+                                        kind: RequestKind.of(url: url, isPost: postBody != nil, isRanged: ranged),
+                                        target: StorageTelemetry.target(of: url), status: 0, bytes: 0, seconds: 0,
+                                        attempt: max(1, StorageTelemetry.attempt), failure: nil)
+        do {
+            let response = try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody)
+            record.status = response.status
+            record.bytes = ranged ? response.bytesRead : response.body.count
+            record.seconds = monotonicNow() - started
+            observe(record)
+            return response
+        } catch {
+            record.status = error.httpStatus ?? 0
+            record.failure = error.message
+            record.seconds = monotonicNow() - started
+            observe(record)
+            throw error
+        }
+    }
+
+    private func transfer(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
+                          isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]?) throws(StorageError) -> HTTPResponse {
         if let isCancelled, isCancelled() { throw StorageError(.cancelled, "transfer cancelled") }
         var timeLeftMS = 0
         if let deadline {

@@ -19,9 +19,18 @@ public final class BlockCache: Sendable {
     public let capacity: Int64
     public let blockSize: Int
     /// Every file operation under `directory` (verified descriptors, never followed links).
-    let files: CacheDirectory
-    /// Held (flock) for the life of the process: the lock is released when the process ends.
-    private let lockFD: Int32
+    /// Replaced when the version directory is deleted under the mount (`recoverIfRemoved`).
+    var files: CacheDirectory { directories.withLock { $0.files } }
+    private struct Directories: ~Copyable {
+        var files: CacheDirectory
+        /// `v1/.lock`, holding who has the cache (docs/operations.md, "Cache tools").
+        var lockFD: Int32
+        var owner: String = ""
+    }
+    private let directories: Mutex<Directories>
+    /// A descriptor of `cache_dir` itself, locked (flock) for the life of the process: the
+    /// lock is released when the process ends, and survives `rm -rf cache_dir/v1`.
+    private let topLock: Int32
 
     private struct State: ~Copyable {
         var objects: [String: CachedObject] = [:]
@@ -40,25 +49,123 @@ public final class BlockCache: Sendable {
         self.directory = directory
         self.capacity = capacity
         self.blockSize = blockSize
+        let files: CacheDirectory
         do throws(CacheDirectory.Refused) {
             files = try CacheDirectory(directory: directory, versionName: "v\(CacheFileFormat.version)")
-            lockFD = try files.openLockFile()
         } catch {
             throw FilesystemError(.invalidArgument, error.message)
         }
         // One process per cache: each enforces the cap on what it knows and cleans up at start.
-        guard flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
+        topLock = dup(files.topFD)
+        guard topLock >= 0, flock(topLock, LOCK_EX | LOCK_NB) == 0 else {
             let busy = errno == EWOULDBLOCK
             let why = String(cString: strerror(errno))
-            Glibc.close(lockFD)
-            throw FilesystemError(.invalidArgument, busy
-                ? "cache_dir \(directory) is in use by another storefs process: give each mount its own cache_dir="
-                : "cache_dir \(directory): cannot lock \(files.versionPath)/.lock: \(why)")
+            if topLock >= 0 { Glibc.close(topLock) }
+            throw FilesystemError(.invalidArgument, busy ? Self.busyMessage(directory)
+                                                         : "cache_dir \(directory): cannot lock it: \(why)")
         }
+        let lockFD: Int32
+        do throws(FilesystemError) {
+            lockFD = try Self.lockVersionDirectory(files)
+        } catch {
+            Glibc.close(topLock)
+            throw error
+        }
+        directories = Mutex(Directories(files: files, lockFD: lockFD))
         loadExisting()
     }
 
-    deinit { Glibc.close(lockFD) }
+    static func busyMessage(_ directory: String) -> String {
+        "cache_dir \(directory) is in use by another storefs process: give each mount its own cache_dir="
+    }
+
+    /// Opens and locks `v1/.lock` (which older storefs versions lock instead of `cache_dir`).
+    private static func lockVersionDirectory(_ files: CacheDirectory) throws(FilesystemError) -> Int32 {
+        let fd: Int32
+        do throws(CacheDirectory.Refused) {
+            fd = try files.openLockFile()
+        } catch {
+            throw FilesystemError(.invalidArgument, error.message)
+        }
+        guard flock(fd, LOCK_EX | LOCK_NB) == 0 else {
+            let busy = errno == EWOULDBLOCK
+            let why = String(cString: strerror(errno))
+            Glibc.close(fd)
+            throw FilesystemError(.invalidArgument, busy ? busyMessage(files.path)
+                                                         : "cache_dir \(files.path): cannot lock \(files.versionPath)/.lock: \(why)")
+        }
+        return fd
+    }
+
+    /// Writes who holds the cache into `v1/.lock` (`storefs cache status` shows it): one JSON
+    /// object with the daemon's pid, mount point, capacity and block size.
+    public func recordOwner(mountpoint: String) {
+        let json = "{\"pid\":\(getpid()),\"mountpoint\":\(LogLine.jsonString(mountpoint)),\"capacity\":\(capacity),"
+            + "\"block_size\":\(blockSize),\"format\":\(CacheFileFormat.version)}\n"
+        directories.withLock { d in
+            d.owner = json
+            Self.writeOwner(json, to: d.lockFD)
+        }
+    }
+
+    private static func writeOwner(_ json: String, to fd: Int32) {
+        guard !json.isEmpty else { return }
+        let bytes = Array(json.utf8)
+        _ = ftruncate(fd, 0)
+        _ = bytes.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) }
+    }
+
+    /// After `rm -rf cache_dir/v1` under the mount: makes the version directory again (with
+    /// every check of the first time), locks it, and forgets the deleted files (readers of
+    /// an open one finish on it). The lock on `cache_dir` was never let go, so no second
+    /// mount could take the cache meanwhile. True if it was gone and is back.
+    @discardableResult
+    public func recoverIfRemoved() -> Bool {
+        guard files.isRemoved else { return false }
+        creating.lock()
+        defer { creating.unlock() }
+        return recoverIfRemovedHoldingCreator()
+    }
+
+    /// `recoverIfRemoved` for a caller that holds `creating`.
+    private func recoverIfRemovedHoldingCreator() -> Bool {
+        guard files.isRemoved else { return false }
+        let fresh: CacheDirectory
+        let lockFD: Int32
+        do throws(FilesystemError) {
+            do throws(CacheDirectory.Refused) {
+                fresh = try CacheDirectory(directory: directory, versionName: "v\(CacheFileFormat.version)")
+            } catch {
+                throw FilesystemError(.invalidArgument, error.message)
+            }
+            lockFD = try Self.lockVersionDirectory(fresh)
+        } catch {
+            degrade("\(files.versionPath) was deleted and cannot be made again: \(error.message)")
+            return false
+        }
+        directories.withLock { d in
+            Glibc.close(d.lockFD)
+            d.files = fresh
+            d.lockFD = lockFD
+            Self.writeOwner(d.owner, to: lockFD)
+        }
+        state.withLock { s in
+            s.objects.removeAll()
+            s.usedBytes = 0
+            s.degradedUntil = 0
+        }
+        Log.warn("cache directory was deleted under the mount: made it again, empty", ["dir": fresh.versionPath])
+        return true
+    }
+
+    deinit {
+        let fd = directories.withLock { $0.lockFD }
+        Glibc.close(fd)
+        Glibc.close(topLock)
+    }
+
+    /// Whether `object` is still this cache's (not a file deleted with its directory).
+    func tracks(_ object: CachedObject) -> Bool { state.withLock { $0.objects[object.hex] === object } }
 
     func tick() -> UInt64 { clock.add(1, ordering: .relaxed).newValue }
 
@@ -123,6 +230,31 @@ public final class BlockCache: Sendable {
         return created
     }
 
+    /// Empties the cache while mounted (`storefs cache clear --force`, through the daemon):
+    /// every block is evicted and every file nobody reads is removed. Returns the bytes it held
+    /// before and after (blocks being read or written may come back at once).
+    public func clear() -> (before: Int64, after: Int64) {
+        recoverIfRemoved()
+        let before = usedBytes
+        creating.lock()
+        defer { creating.unlock() }
+        evict(toMakeRoomFor: 0, everything: true)
+        return (before, usedBytes)
+    }
+
+    /// The on-disk format version (`cache_dir/v<N>`).
+    public static var formatVersion: Int { Int(CacheFileFormat.version) }
+
+    /// Objects with a cache file.
+    public var objectCount: Int { state.withLock { $0.objects.count } }
+
+    /// Bytes of one object generation held in the cache (`user.storefs.cached`).
+    public func cachedBytes(endpoint: String, bucket: String, name: String, generation: Int64, size: Int64) -> Int64 {
+        let hex = Self.hex(Self.keyHash(endpoint: endpoint, bucket: bucket, name: name, generation: generation))
+        guard let o = state.withLock({ $0.objects[hex] }), o.format.objectSize == size else { return 0 }
+        return o.presentBytes
+    }
+
     func release(_ object: CachedObject) {
         object.close()
     }
@@ -155,17 +287,23 @@ public final class BlockCache: Sendable {
         state.withLock { $0.usedBytes -= bytes }
     }
 
-    private func evict(toMakeRoomFor bytes: Int64) {
-        let lowWater = capacity - capacity / 10 - bytes
+    /// Evicts least recently used blocks down to a low-water mark (`everything`: all blocks,
+    /// `storefs cache clear --force`); files left empty and unused go too.
+    private func evict(toMakeRoomFor bytes: Int64, everything: Bool = false) {
+        let lowWater = everything ? 0 : capacity - capacity / 10 - bytes
         let objects = state.withLock { Array($0.objects.values) }
         var candidates: [(tick: UInt64, object: CachedObject, block: Int)] = []
         for o in objects { o.collectBlocks(into: &candidates) }
         candidates.sort { $0.tick < $1.tick }
         var freed: Int64 = 0
-        let over = state.withLock { $0.usedBytes } - max(0, lowWater)
+        var blocks = 0
+        let over = everything ? Int64.max : state.withLock { $0.usedBytes } - max(0, lowWater)
         for c in candidates where freed < over {
-            freed += c.object.evict(block: c.block)
+            let f = c.object.evict(block: c.block)
+            freed += f
+            if f > 0 { blocks += 1 }
         }
+        Metrics.shared.evicted(blocks: blocks, bytes: freed)
         // Files with nothing left and nobody reading them go entirely.
         var removed: Int64 = 0
         state.withLock { s in
@@ -182,7 +320,10 @@ public final class BlockCache: Sendable {
     }
 
     private func create(format: CacheFileFormat, hex: String) -> CachedObject? {
-        let made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
+        var made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
+        if made.error != nil, recoverIfRemovedHoldingCreator() {
+            made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
+        }
         if let why = made.error {
             degrade(why)
             return nil
@@ -310,6 +451,15 @@ final class CachedObject: Sendable {
         }
     }
 
+    /// Object bytes in present blocks.
+    var presentBytes: Int64 {
+        state.withLock { s in
+            var total: Int64 = 0
+            s.index.forEachPresent { _, e, _ in total += Int64(e.length) }
+            return total
+        }
+    }
+
     var isEmptyAndUnused: Bool { state.withLock { s in s.users == 0 && s.index.present == 0 } }
 
     func setTicks(_ t: UInt64) { state.withLock { $0.index.setAllTicks(t) } }
@@ -410,6 +560,9 @@ final class CachedObject: Sendable {
     func store(first: Int, _ bytes: UnsafeRawBufferPointer) {
         writing.lock()
         defer { writing.unlock() }
+        // A file whose directory was deleted under the mount takes no more blocks: they could
+        // never be evicted, yet would count against the cap.
+        guard cache.tracks(self) else { return }
         let bs = format.blockSize
         let count = (bytes.count + bs - 1) / bs
         let maxRun = max(1, (1 << 20) / bs)  // at most 1 MiB reserved (and evicted for) at once

@@ -19,6 +19,9 @@ final class CacheDirectory: Sendable {
     /// `cache_dir/v<version>`: the only directory cache files live under.
     let versionPath: String
     private let versionFD: Int32
+    /// `cache_dir` itself: the mount's lock is taken on it (`BlockCache`), so deleting
+    /// `cache_dir/v1` under a live mount cannot free the cache for a second one.
+    let topFD: Int32
     private let owner: uid_t
 
     struct Refused: Error {
@@ -35,11 +38,26 @@ final class CacheDirectory: Sendable {
         path = directory
         versionPath = directory + "/" + versionName
         let top = try Self.openVerifiedPath(directory, owner: owner)
-        defer { close(top) }
-        versionFD = try Self.openOwnedSubdirectory(top, versionName, shown: versionPath, owner: owner, replaceLinks: true)
+        do throws(Refused) {
+            versionFD = try Self.openOwnedSubdirectory(top, versionName, shown: versionPath, owner: owner, replaceLinks: true)
+        } catch {
+            close(top)
+            throw error
+        }
+        topFD = top
     }
 
-    deinit { close(versionFD) }
+    deinit {
+        close(versionFD)
+        close(topFD)
+    }
+
+    /// Whether the version directory was deleted under us (`rm -rf cache_dir/v1`): nothing
+    /// can be created in it any more.
+    var isRemoved: Bool {
+        var st = stat()
+        return fstat(versionFD, &st) != 0 || st.st_nlink == 0
+    }
 
     // MARK: Opening the top directory
 

@@ -199,7 +199,7 @@ extension Filesystem {
                 Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
                 return old
             }
-            Log.warn("op=readdir prefix=\(prefix) error=\(error.message)")
+            Log.warn("listing failed", ["op": "readdir", "prefix": prefix, "error": error.message])
             throw FilesystemError(error)
         }
         let listing = builder.build()
@@ -268,7 +268,7 @@ extension Filesystem {
                 if config.negativeTTL > 0 { known.withLock { $0.remember(key, .missing, at: fetched) } }
                 throw FilesystemError(.noEntry, "no \(path) (it vanished after the listing)")
             }
-            Log.warn("op=lookup path=\(path) error=\(error.message)")
+            Log.warn("lookup failed", ["op": "lookup", "path": path, "error": error.message])
             throw FilesystemError(error)
         }
     }

@@ -10,8 +10,11 @@ extension Filesystem {
     /// The attribute names `uid` may see.
     public func extendedAttributeNames(_ inode: UInt64, requester uid: UInt32 = 0,
                                        network: Network = .allowed) throws(FilesystemError) -> [String] {
-        let names = try xattrs(inode, withURL: false, network: network).map(\.0)
-        guard try isFile(inode), config.downloadURL.allows(uid) else { return names }
+        var names = try xattrs(inode, withURL: false, network: network).map(\.0)
+        if inode == Self.rootInode && (uid == 0 || uid == config.downloadURL.ownerUID) { names.append(Self.statsAttribute) }
+        guard try isFile(inode) else { return names }
+        names.append(Self.cachedAttribute)
+        guard config.downloadURL.allows(uid) else { return names }
         return [Self.downloadURLAttribute] + names
     }
 
@@ -19,6 +22,7 @@ extension Filesystem {
                                   network: Network = .allowed) throws(FilesystemError) -> [UInt8] {
         // ls -l asks every file for security.selinux and POSIX ACLs: answer those without work.
         guard name.hasPrefix(Self.xattrPrefix) else { throw FilesystemError(.noAttribute, "no attribute \(name)") }
+        if let value = try statisticsAttribute(inode, name: name, requester: uid) { return value }
         if name == Self.downloadURLAttribute, try isFile(inode) {
             switch config.downloadURL.access {
             case .off: throw FilesystemError(.noAttribute, "download_url is turned off (url_xattr=off)")

@@ -44,7 +44,9 @@ extension Filesystem {
     public func readCached(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer) throws(FilesystemError) -> Int? {
         let file = try openFile(handle)
         guard let window = try clamp(file.meta, offset, buffer) else { return 0 }
-        return reader.readCached(file.stream, at: offset, into: window) ? window.count : nil
+        guard reader.readCached(file.stream, at: offset, into: window) else { return nil }
+        Metrics.shared.cacheRead(hit: true, bytes: window.count)
+        return window.count
     }
 
     func openFile(_ handle: UInt64) throws(FilesystemError) -> OpenFile {
@@ -72,6 +74,7 @@ extension Filesystem {
         let file = try openFile(handle)
         let meta = file.meta
         guard let window = try clamp(meta, offset, buffer) else { return 0 }
+        Metrics.shared.cacheRead(hit: false, bytes: window.count)
         do throws(StorageError) {
             try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled,
                             afterReply: afterReply)
@@ -86,7 +89,8 @@ extension Filesystem {
             if error.code == .cancelled {
                 Log.debug("op=read object=\(meta.name) offset=\(offset) interrupted")
             } else {
-                Log.warn("op=read object=\(meta.name) gen=\(meta.generation) offset=\(offset) error=\(error.message)")
+                Log.warn("read failed", ["op": "read", "object": meta.name, "gen": String(meta.generation),
+                                         "offset": String(offset), "error": error.message])
             }
             throw FilesystemError(error)
         }

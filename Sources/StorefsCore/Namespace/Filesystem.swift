@@ -335,7 +335,7 @@ public final class Filesystem: Sendable {
                 Log.info("op=lookup path=\(path) answering from what was last known: \(error.message)")
                 return try answer.get()
             }
-            Log.warn("op=lookup path=\(path) error=\(error.message)")
+            Log.warn("lookup failed", ["op": "lookup", "path": path, "error": error.message])
             throw FilesystemError(error)
         }
     }

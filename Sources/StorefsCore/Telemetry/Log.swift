@@ -1,3 +1,4 @@
+import Foundation
 import Glibc
 import Synchronization
 
@@ -22,37 +23,201 @@ public enum LogLevel: Int, Sendable, Comparable, CaseIterable {
     var syslogPriority: Int32 { [LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG, LOG_DEBUG][rawValue] }
 }
 
-/// storefs's logger: constant messages with key=value context, to stderr in the foreground and
-/// to syslog once daemonized. Callers never pass tokens, keys or signed URLs.
+/// `log_format=`.
+public enum LogFormat: String, Sendable {
+    /// `ts=… level=… msg="…" key=value …` (logfmt).
+    case text
+    /// One JSON object per line: `{"ts":…,"level":…,"msg":…,"key":value,…}`.
+    case json
+}
+
+/// storefs's logger (docs/operations.md, "Logs"): a constant message with `key=value` fields,
+/// one line each, with an RFC 3339 UTC timestamp in milliseconds and the level. It writes to
+/// stderr in the foreground, to `log_file=` when given (reopened on SIGHUP), else to syslog
+/// once daemonized. Repeats of one warning or error within `repeatWindow` become one line
+/// with a count. Callers never pass tokens, keys, passwords or signed URLs.
 public enum Log {
-    private struct State { var level: LogLevel = .info; var syslog = false }
-    private static let state = Mutex(State())
+    private enum Destination { case stderr, syslog, file }
 
-    public static func configure(level: LogLevel) { state.withLock { $0.level = level } }
-
-    /// Switch to syslog (after daemonizing, when stderr goes nowhere).
-    public static func useSyslog() {
-        openlog("storefs", LOG_PID, LOG_DAEMON)
-        state.withLock { $0.syslog = true }
+    private struct Repeat {
+        var since: Double
+        var suppressed: Int
+        let level: LogLevel
+        let message: String
+        let fields: [(String, String)]
     }
 
-    public static func enabled(_ level: LogLevel) -> Bool { state.withLock { level <= $0.level } }
+    private struct State: ~Copyable {
+        var format = LogFormat.text
+        var destination = Destination.stderr
+        var file: LogFile? = nil
+        var repeats: [String: Repeat] = [:]
+        var flusher = false
+    }
 
-    public static func error(_ message: @autoclosure () -> String) { emit(.error, message) }
-    public static func warn(_ message: @autoclosure () -> String) { emit(.warn, message) }
-    public static func info(_ message: @autoclosure () -> String) { emit(.info, message) }
-    public static func debug(_ message: @autoclosure () -> String) { emit(.debug, message) }
-    public static func trace(_ message: @autoclosure () -> String) { emit(.trace, message) }
+    private static let state = Mutex(State())
+    /// The level, read on every call: an atomic, so a disabled debug line costs a load.
+    private static let level = Atomic<Int>(LogLevel.info.rawValue)
 
-    private static func emit(_ level: LogLevel, _ message: () -> String) {
-        let (enabled, toSyslog) = state.withLock { (level <= $0.level, $0.syslog) }
-        guard enabled else { return }
-        let text = escaped(message())
-        if toSyslog {
-            withVaList([text]) { vsyslog(level.syslogPriority, "%s", $0) }
-        } else {
-            let line = "storefs[\(level.name)] \(text)\n"
-            _ = line.withCString { write(2, $0, strlen($0)) }
+    /// Identical warnings and errors within this many seconds are logged once, then counted.
+    public static let repeatWindow = 10.0
+    /// Distinct repeating lines tracked at once; past it, new lines are not limited.
+    static let maxTrackedRepeats = 1024
+    /// Fields that differ between otherwise identical failures (not part of "identical").
+    static let volatileFields: Set<String> = ["offset", "dur_ms", "bytes", "attempt"]
+
+    public static func configure(level: LogLevel, format: LogFormat = .text) {
+        self.level.store(level.rawValue, ordering: .relaxed)
+        state.withLock { $0.format = format }
+    }
+
+    /// Lines go to `file` from now on (opened at start-up, before daemonizing, so a bad path
+    /// is reported at the prompt).
+    public static func use(file: LogFile) {
+        state.withLock {
+            $0.file = file
+            $0.destination = .file
+        }
+    }
+
+    /// Called once daemonized, when stderr goes nowhere: syslog, unless a log file is in use.
+    public static func daemonized() {
+        let toSyslog = state.withLock { s -> Bool in
+            guard s.destination == .stderr else { return false }
+            s.destination = .syslog
+            return true
+        }
+        if toSyslog { openlog("storefs", LOG_PID, LOG_DAEMON) }
+    }
+
+    /// Reopens `log_file=` (SIGHUP, after logrotate moved it). On failure the old file stays
+    /// in use and the reason is logged there.
+    public static func reopen() {
+        let result: Result<String, LogFile.Refused>? = state.withLock { s in
+            guard let old = s.file else { return nil }
+            do throws(LogFile.Refused) {
+                let fresh = try LogFile(path: old.path)
+                s.file = fresh
+                old.close()
+                return .success(old.path)
+            } catch {
+                return .failure(error)
+            }
+        }
+        switch result {
+        case .success(let path)?: info("log file reopened", ["path": path])
+        case .failure(let refused)?: error("cannot reopen the log file; still writing to the old one", ["error": refused.message])
+        case nil: break
+        }
+    }
+
+    /// Starts the thread that writes out counts of suppressed repeats (after daemonizing:
+    /// fork keeps no thread).
+    public static func startBackground() {
+        let start = state.withLock { s -> Bool in
+            defer { s.flusher = true }
+            return !s.flusher
+        }
+        guard start else { return }
+        let thread = Thread {
+            while true {
+                Thread.sleep(forTimeInterval: 1)
+                flushRepeats(now: monotonicNowSeconds(), all: false)
+            }
+        }
+        thread.name = "storefs-log"
+        thread.start()
+    }
+
+    public static func enabled(_ level: LogLevel) -> Bool { level.rawValue <= self.level.load(ordering: .relaxed) }
+
+    public static func error(_ message: @autoclosure () -> String, _ fields: @autoclosure () -> KeyValuePairs<String, String> = [:]) {
+        emit(.error, message, fields)
+    }
+    public static func warn(_ message: @autoclosure () -> String, _ fields: @autoclosure () -> KeyValuePairs<String, String> = [:]) {
+        emit(.warn, message, fields)
+    }
+    public static func info(_ message: @autoclosure () -> String, _ fields: @autoclosure () -> KeyValuePairs<String, String> = [:]) {
+        emit(.info, message, fields)
+    }
+    public static func debug(_ message: @autoclosure () -> String, _ fields: @autoclosure () -> KeyValuePairs<String, String> = [:]) {
+        emit(.debug, message, fields)
+    }
+    public static func trace(_ message: @autoclosure () -> String, _ fields: @autoclosure () -> KeyValuePairs<String, String> = [:]) {
+        emit(.trace, message, fields)
+    }
+
+    /// A line whose fields are built at run time (check `enabled` first when they cost).
+    public static func log(_ level: LogLevel, _ message: String, fields: [(String, String)]) {
+        guard enabled(level) else { return }
+        if level <= .warn, !admitRepeat(level, message, fields, now: monotonicNowSeconds()) { return }
+        write(level, message, fields)
+    }
+
+    private static func emit(_ level: LogLevel, _ message: () -> String, _ fields: () -> KeyValuePairs<String, String>) {
+        guard enabled(level) else { return }
+        let msg = message()
+        let pairs = fields().map { ($0.key, $0.value) }
+        if level <= .warn, !admitRepeat(level, msg, pairs, now: monotonicNowSeconds()) { return }
+        write(level, msg, pairs)
+    }
+
+    /// Whether a warning or error is written now: false while an identical one was written
+    /// less than `repeatWindow` ago (it is counted instead).
+    private static func admitRepeat(_ level: LogLevel, _ msg: String, _ fields: [(String, String)], now: Double) -> Bool {
+        var key = level.name + "\u{0}" + msg
+        for (k, v) in fields where !volatileFields.contains(k) { key += "\u{0}\(k)=\(v)" }
+        let (admit, summary) = state.withLock { s -> (Bool, Repeat?) in
+            if var r = s.repeats[key] {
+                if now - r.since < repeatWindow {
+                    r.suppressed += 1
+                    s.repeats[key] = r
+                    return (false, nil)
+                }
+                s.repeats[key] = Repeat(since: now, suppressed: 0, level: level, message: msg, fields: fields)
+                return (true, r.suppressed > 0 ? r : nil)
+            }
+            if s.repeats.count < maxTrackedRepeats {
+                s.repeats[key] = Repeat(since: now, suppressed: 0, level: level, message: msg, fields: fields)
+            }
+            return (true, nil)
+        }
+        if let summary { writeSummary(summary) }
+        return admit
+    }
+
+    /// Writes the counts of repeats whose window has closed (`all`: every count, at once).
+    static func flushRepeats(now: Double, all: Bool) {
+        let due = state.withLock { s -> [Repeat] in
+            var out: [Repeat] = []
+            for (key, r) in s.repeats where all || now - r.since >= repeatWindow {
+                if r.suppressed > 0 { out.append(r) }
+                s.repeats.removeValue(forKey: key)
+            }
+            return out
+        }
+        for r in due { writeSummary(r) }
+    }
+
+    private static func writeSummary(_ r: Repeat) {
+        write(r.level, r.message, r.fields + [("repeated", String(r.suppressed)), ("window_s", String(Int(repeatWindow)))])
+    }
+
+    private static func write(_ level: LogLevel, _ msg: String, _ fields: [(String, String)]) {
+        state.withLock { s in
+            let withTime = s.destination != .syslog  // syslog stamps its own time
+            let line = s.format == .json
+                ? LogLine.json(time: withTime ? LogLine.timestamp() : nil, level: level.name, message: msg, fields: fields)
+                : LogLine.text(time: withTime ? LogLine.timestamp() : nil, level: level.name, message: msg, fields: fields)
+            switch s.destination {
+            case .syslog:
+                withVaList([line]) { vsyslog(level.syslogPriority, "%s", $0) }
+            case .file:
+                s.file?.write(line + "\n")
+            case .stderr:
+                let out = line + "\n"
+                _ = out.withCString { Glibc.write(2, $0, strlen($0)) }
+            }
         }
     }
 
@@ -77,4 +242,11 @@ public enum Log {
         }
         return String(out)
     }
+}
+
+/// Seconds on the monotonic clock.
+func monotonicNowSeconds() -> Double {
+    var ts = timespec()
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
 }

@@ -1,0 +1,76 @@
+import Glibc
+
+/// What one HTTP exchange was for: the label of request counters and latency histograms
+/// (docs/operations.md, "Metrics").
+public enum RequestKind: String, Sendable, CaseIterable {
+    /// A listing page (`…/o?prefix=…`).
+    case list
+    /// An object's or the bucket's resource (JSON).
+    case metadata
+    /// Object bytes (`alt=media`, ranged reads).
+    case media
+    /// Token services (sign-in, refresh, the metadata server).
+    case token
+
+    /// The kind of a request, from its method and URL (never from anything secret in it).
+    static func of(url: String, isPost: Bool, isRanged: Bool) -> RequestKind {
+        if isPost || url.contains("computeMetadata") { return .token }
+        if isRanged { return .media }
+        let queryStart = url.firstIndex(of: "?") ?? url.endIndex
+        let query = url[queryStart...]
+        if query.contains("alt=media") { return .media }
+        if url[..<queryStart].hasSuffix("/o") { return .list }
+        return .metadata
+    }
+}
+
+/// One finished (or failed) HTTP exchange, as the daemon's logs and metrics see it.
+public struct HTTPExchangeRecord: Sendable {
+    public var method: String
+    public var kind: RequestKind
+    /// `scheme://host:port/path` without the query (which may carry a key or a token).
+    public var target: String
+    /// The HTTP status; 0 when no answer came (refused, reset, timed out, cancelled).
+    public var status: Int
+    /// Body bytes received.
+    public var bytes: Int
+    public var seconds: Double
+    /// 1 for the first try of an operation, 2 for its first retry, and so on.
+    public var attempt: Int
+    /// Why it failed when no status came.
+    public var failure: String?
+}
+
+/// Hooks through which the daemon counts and logs what the storage client does. Set once at
+/// start-up, before any request thread exists; nil hooks cost nothing.
+public enum StorageTelemetry {
+    nonisolated(unsafe) public static var onExchange: (@Sendable (HTTPExchangeRecord) -> Void)? = nil
+    /// A failed try that will be tried again (after the backoff).
+    nonisolated(unsafe) public static var onRetry: (@Sendable (StorageError) -> Void)? = nil
+
+    /// The try number of the operation running on this thread (RetryPolicy sets it, the HTTP
+    /// client reads it): a thread-local, since a try never leaves its thread.
+    static var attempt: Int {
+        get { Int(bitPattern: pthread_getspecific(attemptKey)) }
+        set { pthread_setspecific(attemptKey, UnsafeRawPointer(bitPattern: newValue)) }
+    }
+
+    private static let attemptKey: pthread_key_t = {
+        var key = pthread_key_t()
+        pthread_key_create(&key, nil)
+        return key
+    }()
+
+    /// `url` without its query or fragment, and without any user:password part.
+    static func target(of url: String) -> String {
+        let end = url.firstIndex(where: { $0 == "?" || $0 == "#" }) ?? url.endIndex
+        let path = url[..<end]
+        guard let r = path.range(of: "://") else { return String(path) }
+        let rest = path[r.upperBound...]
+        let slash = rest.firstIndex(of: "/") ?? rest.endIndex
+        if let at = rest[..<slash].lastIndex(of: "@") {
+            return String(path[..<r.upperBound]) + rest[rest.index(after: at)...]
+        }
+        return String(path)
+    }
+}

@@ -1,0 +1,198 @@
+import Foundation
+import Glibc
+import StorefsCore
+
+/// `storefs cache status [CACHE_DIR]` and `storefs cache clear [--force] [CACHE_DIR]`
+/// (docs/operations.md, "Cache tools"). Without CACHE_DIR: every cache under the default
+/// cache root. `status` only reads (it works beside a live mount); `clear` empties a cache no
+/// mount holds, and refuses one that a mount holds unless `--force`, which asks that mount's
+/// daemon to empty it (the daemon owns its cache: nobody else deletes files under it).
+enum CacheCommand {
+    static let usage = "usage: storefs cache status [CACHE_DIR] | storefs cache clear [--force] [CACHE_DIR]"
+    static let clearAttribute = "user.storefs.control.clear_cache"
+
+    static func run(_ arguments: [String], environment: [String: String]) -> Int32 {
+        guard let verb = arguments.first else { return StorefsMain.fail("no command: \(usage)", status: 2) }
+        var force = false
+        var dirs: [String] = []
+        for a in arguments.dropFirst() {
+            if a == "--force" && verb == "clear" {
+                force = true
+            } else if a.hasPrefix("-") {
+                return StorefsMain.fail("unknown flag '\(a)': \(usage)", status: 2)
+            } else {
+                dirs.append(a)
+            }
+        }
+        guard verb == "status" || verb == "clear" else {
+            return StorefsMain.fail("unknown cache command '\(verb)': \(usage)", status: 2)
+        }
+        if dirs.isEmpty {
+            guard let root = CacheLocation.defaultDirectory(environment: environment) else {
+                return StorefsMain.fail("no home directory, so no default cache root: give CACHE_DIR", status: 2)
+            }
+            dirs = cachesUnder(root)
+            if dirs.isEmpty {
+                print("no storefs caches under \(root)")
+                return 0
+            }
+        }
+        var status: Int32 = 0
+        for dir in dirs {
+            let rc = verb == "status" ? showStatus(dir) : clear(dir, force: force)
+            if rc != 0 { status = rc }
+        }
+        return status
+    }
+
+    /// The per-source caches (directories holding `v1/`) under the default root.
+    static func cachesUnder(_ root: String) -> [String] {
+        guard let names = try? FileManager.default.contentsOfDirectory(atPath: root) else { return [] }
+        return names.sorted().map { root + "/" + $0 }.filter { dir in
+            var st = stat()
+            return lstat(dir + "/v\(versionNumber)", &st) == 0 && st.st_mode & S_IFMT == S_IFDIR
+        }
+    }
+
+    static var versionNumber: Int { BlockCache.formatVersion }
+
+    /// Who holds a cache, from `v1/.lock` (written by the daemon when it mounted).
+    struct Holder {
+        var pid: Int?
+        var mountpoint: String?
+        var capacity: Int64?
+    }
+
+    /// Opens `dir` itself without following a link; nil and a reason otherwise.
+    static func openCacheDirectory(_ dir: String) -> (fd: Int32, error: String?) {
+        let fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        guard fd >= 0 else {
+            let err = errno
+            if err == ELOOP || err == ENOTDIR { return (-1, "\(dir) is not a directory (a link or a file)") }
+            return (-1, "\(dir): \(String(cString: strerror(err)))")
+        }
+        return (fd, nil)
+    }
+
+    /// nil: no mount holds it; else what its lock file says.
+    static func holder(_ dirFD: Int32) -> Holder? {
+        var held = flock(dirFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK
+        if !held { flock(dirFD, LOCK_UN) }
+        let lockFD = openat(dirFD, "v\(versionNumber)/.lock", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+        var info = Holder()
+        if lockFD >= 0 {
+            defer { close(lockFD) }
+            // Older storefs versions lock only this file.
+            if flock(lockFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK { held = true } else { flock(lockFD, LOCK_UN) }
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            let n = buffer.withUnsafeMutableBytes { read(lockFD, $0.baseAddress, $0.count) }
+            if n > 0, let obj = try? JSONSerialization.jsonObject(with: Data(buffer[0..<n])) as? [String: Any] {
+                info.pid = obj["pid"] as? Int
+                info.mountpoint = obj["mountpoint"] as? String
+                info.capacity = (obj["capacity"] as? NSNumber)?.int64Value
+            }
+        }
+        return held ? info : nil
+    }
+
+    /// Files and disk bytes under `dirFD/name` (one level of shard directories), without
+    /// following links; with `remove`, each file is unlinked as it is counted.
+    static func tally(_ dirFD: Int32, _ name: String, remove: Bool) -> (files: Int, bytes: Int64) {
+        let fd = openat(dirFD, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        guard fd >= 0 else { return (0, 0) }
+        defer { close(fd) }
+        var files = 0
+        var bytes: Int64 = 0
+        for (entry, isDirectory) in entries(fd) {
+            if isDirectory {
+                let sub = tally(fd, entry, remove: remove)
+                files += sub.files
+                bytes += sub.bytes
+                continue
+            }
+            guard entry != ".lock" else { continue }
+            var st = stat()
+            guard fstatat(fd, entry, &st, AT_SYMLINK_NOFOLLOW) == 0, st.st_mode & S_IFMT == S_IFREG else { continue }
+            files += 1
+            bytes += Int64(st.st_blocks) * 512
+            if remove { unlinkat(fd, entry, 0) }
+        }
+        return (files, bytes)
+    }
+
+    static func entries(_ fd: Int32) -> [(String, Bool)] {
+        let copy = dup(fd)
+        guard copy >= 0, let dir = fdopendir(copy) else { return [] }
+        defer { closedir(dir) }
+        var out: [(String, Bool)] = []
+        while let e = readdir(dir) {
+            let name = withUnsafeBytes(of: e.pointee.d_name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
+            if name == "." || name == ".." { continue }
+            var st = stat()
+            guard fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 else { continue }
+            out.append((name, st.st_mode & S_IFMT == S_IFDIR))
+        }
+        return out
+    }
+
+    static func showStatus(_ dir: String) -> Int32 {
+        let (fd, error) = openCacheDirectory(dir)
+        if let error { return StorefsMain.fail("cache status: \(error)") }
+        defer { close(fd) }
+        let blocks = tally(fd, "v\(versionNumber)", remove: false)
+        let namespace = tally(fd, "ns-v1", remove: false)
+        print("cache \(dir)")
+        print("  format:    v\(versionNumber) block files, ns-v1 namespace")
+        print("  objects:   \(blocks.files) cached object generations, \(bytes(blocks.bytes)) on disk (\(blocks.bytes) bytes)")
+        print("  namespace: \(namespace.files) stored source(s), \(bytes(namespace.bytes))")
+        if let h = holder(fd) {
+            let cap = h.capacity.map { "\(bytes($0)) (\($0) bytes)" } ?? "unknown"
+            print("  cap:       \(cap), set by the mount using it")
+            print("  in use:    by pid \(h.pid.map(String.init) ?? "?") mounted at \(h.mountpoint ?? "?")")
+        } else {
+            print("  cap:       set when mounted (cache_size=); the default here now is \(bytes(CacheLocation.defaultSize(directory: dir)))")
+            print("  in use:    no (not mounted)")
+        }
+        return 0
+    }
+
+    static func clear(_ dir: String, force: Bool) -> Int32 {
+        let (fd, error) = openCacheDirectory(dir)
+        if let error { return StorefsMain.fail("cache clear: \(error)") }
+        defer { close(fd) }
+        var st = stat()
+        guard fstat(fd, &st) == 0, st.st_uid == geteuid() else {
+            return StorefsMain.fail("cache clear: \(dir) belongs to uid \(st.st_uid), not to you (uid \(geteuid())): only its owner clears it")
+        }
+        if flock(fd, LOCK_EX | LOCK_NB) == 0, holder(fd) == nil {
+            defer { flock(fd, LOCK_UN) }
+            let blocks = tally(fd, "v\(versionNumber)", remove: true)
+            let namespace = tally(fd, "ns-v1", remove: true)
+            print("cleared \(dir): \(blocks.files) cached objects and \(namespace.files) stored namespace(s), \(bytes(blocks.bytes + namespace.bytes)) freed")
+            return 0
+        }
+        let h = holder(fd) ?? Holder()
+        let at = h.mountpoint.map { "the mount at \($0)" } ?? "a storefs mount"
+        guard force else {
+            return StorefsMain.fail("cache_dir \(dir) is in use by \(at) (pid \(h.pid.map(String.init) ?? "?")): unmount it first, or give --force to clear it through that mount")
+        }
+        guard let mountpoint = h.mountpoint, mountedAt(mountpoint)?.hasPrefix("fuse.storefs") == true else {
+            return StorefsMain.fail("cache_dir \(dir) is in use, but its mount point is not known or not a storefs mount here: unmount it, then clear")
+        }
+        guard let answer = PathAttributes.get(mountpoint, clearAttribute),
+              let obj = try? JSONSerialization.jsonObject(with: Data(answer)) as? [String: Any] else {
+            return StorefsMain.fail("cache clear --force: the mount at \(mountpoint) refused (\(String(cString: strerror(errno)))): run it as the mounting user or root")
+        }
+        let before = (obj["before_bytes"] as? NSNumber)?.int64Value ?? 0
+        let after = (obj["after_bytes"] as? NSNumber)?.int64Value ?? 0
+        let served = obj["dir"] as? String ?? ""
+        if served != dir, let a = realpath(served, nil), let b = realpath(dir, nil) {
+            defer { free(a); free(b) }
+            if strcmp(a, b) != 0 {
+                return StorefsMain.fail("cache clear --force: the mount at \(mountpoint) uses \(served), not \(dir); it cleared its own cache")
+            }
+        }
+        print("cleared \(dir) through the mount at \(mountpoint): \(bytes(before)) before, \(bytes(after)) after (blocks being read at that moment stay)")
+        return 0
+    }
+}

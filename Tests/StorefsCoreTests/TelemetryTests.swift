@@ -1,0 +1,98 @@
+import Foundation
+import Testing
+import StorageClient
+@testable import StorefsCore
+
+@Suite struct TelemetryTests {
+    @Test func textLinesAreLogfmtAndQuoteOnlyWhatNeedsIt() {
+        let line = LogLine.text(time: "2026-11-30T23:59:01.123Z", level: "warn", message: "read failed",
+                                fields: [("object", "a b/\"c\".bin"), ("offset", "0"), ("empty", ""), ("evil", "x\ny=1")])
+        #expect(line == #"ts=2026-11-30T23:59:01.123Z level=warn msg="read failed" object="a b/\"c\".bin" offset=0 empty="" evil="x\x0ay=1""#)
+    }
+
+    @Test func jsonLinesParseAndKeepNumbersNumeric() throws {
+        let line = LogLine.json(time: "2026-11-30T23:59:01.123Z", level: "debug", message: "http",
+                                fields: [("status", "206"), ("dur_ms", "1.250"), ("name", "ü\u{1}\n\"x\""), ("gen", "0123"), ("neg", "-5")])
+        let obj = try #require(try JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: Any])
+        #expect(obj["ts"] as? String == "2026-11-30T23:59:01.123Z" && obj["level"] as? String == "debug")
+        #expect((obj["status"] as? NSNumber)?.intValue == 206 && (obj["dur_ms"] as? NSNumber)?.doubleValue == 1.25)
+        #expect(obj["name"] as? String == "ü\u{1}\n\"x\"")
+        #expect(obj["gen"] as? String == "0123", "a leading zero is not a JSON number: kept as text")
+        #expect((obj["neg"] as? NSNumber)?.intValue == -5)
+        #expect(!line.contains("\n"))
+    }
+
+    @Test func timestampsAreRFC3339UTCWithMilliseconds() {
+        let ts = LogLine.timestamp()
+        #expect(ts.count == 24 && ts.hasSuffix("Z") && ts.dropFirst(10).first == "T" && ts.dropFirst(19).first == ".")
+    }
+
+    @Test func histogramBucketsAndPrometheusTextAreCumulative() {
+        var h = Histogram()
+        for s in [0.00005, 0.003, 0.003, 7.0, 30.0] { h.observe(s) }
+        #expect(h.count == 5 && h.counts[0] == 1 && h.counts.last == 1)
+        var m = Metrics.Snapshot()
+        m.readLatency = h
+        m.requests = [.media: [206: 3, 0: 1]]
+        m.ops[FuseOp.read.rawValue] = 5
+        m.errors = [5: 2]
+        let text = PrometheusText.render(m, Filesystem.Gauges())
+        #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"0.0001\"} 1\n"))
+        #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"0.005\"} 3\n"))
+        #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"10\"} 4\n"))
+        #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"+Inf\"} 5\n"))
+        #expect(text.contains("storefs_fuse_read_duration_seconds_count 5\n"))
+        #expect(text.contains("storefs_http_requests_total{kind=\"media\",status=\"206\"} 3\n"))
+        #expect(text.contains("storefs_http_requests_total{kind=\"media\",status=\"0\"} 1\n"))
+        #expect(text.contains("storefs_fuse_operations_total{op=\"read\"} 5\n"))
+        #expect(text.contains("storefs_fuse_errors_total{errno=\"EIO\"} 2\n"))
+        // Every sample belongs to a family announced with HELP and TYPE.
+        var families = Set<String>()
+        for line in text.split(separator: "\n") {
+            if line.hasPrefix("# TYPE ") { families.insert(String(line.split(separator: " ")[2])) }
+            if line.hasPrefix("#") { continue }
+            let name = String(line.prefix { $0 != "{" && $0 != " " })
+            let base = ["_bucket", "_sum", "_count"].reduce(name) { n, s in n.hasSuffix(s) && !families.contains(n) ? String(n.dropLast(s.count)) : n }
+            #expect(families.contains(base), "\(name) has no TYPE line")
+        }
+    }
+
+    @Test func metricsRoutesOnlyGetOfMetrics() {
+        #expect(MetricsServer.route(Array("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".utf8)) == .metrics(head: false))
+        #expect(MetricsServer.route(Array("HEAD /metrics?x=1 HTTP/1.1\r\n\r\n".utf8)) == .metrics(head: true))
+        #expect(MetricsServer.route(Array("GET /metricsx HTTP/1.1\r\n\r\n".utf8)) == .notFound)
+        #expect(MetricsServer.route(Array("POST /metrics HTTP/1.1\r\n\r\n".utf8)) == .badMethod)
+        #expect(MetricsServer.route(Array("garbage".utf8)) == .notFound)
+    }
+
+    @Test func metricsServerBindsLoopbackAndRefusesNonsense() throws {
+        let server = try MetricsServer(host: "127.0.0.1", port: 0)
+        #expect(server.port > 0)
+        #expect(throws: MetricsServer.Refused.self) { try MetricsServer(host: "not-an-address", port: 0) }
+    }
+
+    @Test func metricsOptionIsLoopbackUnlessBindAnyIsGiven() throws {
+        guard case .mount(let o) = try MountOptions.parse(arguments: ["-o", "metrics=9464,log_format=json,log_file=/l", "b", "/m"], environment: [:]) else {
+            Issue.record("not a mount")
+            return
+        }
+        #expect(o.metricsHost == "127.0.0.1" && o.metricsPort == 9464 && o.logFormat == .json && o.logFile == "/l")
+        #expect(throws: MountOptions.ParseError.self) {
+            try MountOptions.parse(arguments: ["-o", "metrics=0.0.0.0:9464", "b", "/m"], environment: [:])
+        }
+        guard case .mount(let any) = try MountOptions.parse(arguments: ["-o", "metrics=0.0.0.0:9464,metrics_bind_any", "b", "/m"], environment: [:]) else {
+            Issue.record("not a mount")
+            return
+        }
+        #expect(any.metricsHost == "0.0.0.0" && any.metricsBindAny)
+        #expect(throws: MountOptions.ParseError.self) {
+            try MountOptions.parse(arguments: ["-o", "metrics=127.0.0.1:70000", "b", "/m"], environment: [:])
+        }
+        #expect(try MountOptions.parse(arguments: ["prefetch", "-j", "2", "/m"], environment: [:]) == .prefetch(["-j", "2", "/m"]))
+        #expect(try MountOptions.parse(arguments: ["cache", "status"], environment: [:]) == .cache(["status"]))
+    }
+
+    @Test func errnoNamesAreSymbolic() {
+        #expect(Errno.name(2) == "ENOENT" && Errno.name(0) == "OK" && Errno.name(30) == "EROFS" && Errno.name(9999) == "E9999")
+    }
+}
