@@ -79,8 +79,6 @@ enum StorefsMain {
             } catch {
                 return fail(error.message)
             }
-        } else if !o.foreground && access("/dev/log", W_OK) != 0 {
-            Log.warn("no syslog here (/dev/log is missing): the daemon's log lines will be lost; give -o log_file=PATH to keep them")
         }
         Metrics.shared.observeStorage()
         MemoryReturn.limitArenas()
@@ -201,6 +199,10 @@ enum StorefsMain {
         if let offlineBecause {
             fs.startOffline(offlineBecause)
             Log.warn("\(offlineBecause.message): mounting offline from what \(cacheDir) holds (offline=auto); uncached reads fail with EIO until the bucket answers")
+        }
+        // Last thing before daemonizing, once the mount is sure to go ahead (a failure is one line).
+        if o.logFile == nil && !o.foreground && access("/dev/log", W_OK) != 0 {
+            Log.warn("no syslog here (/dev/log is missing): the daemon's log lines will be lost; give -o log_file=PATH to keep them")
         }
         let settings = FuseSession.Settings(mountpoint: mountpoint, fsname: o.sourceText,
                                             foreground: o.foreground, debug: o.debug && o.logLevel >= .trace,

@@ -356,6 +356,7 @@ def test_persistent_401_is_eacces_after_one_forced_refresh(bare_mount, firebase,
     assert errname(e) == "EACCES", f"got {errname(e)}"
     assert auth_server.counts["securetoken"] == refreshes + 1, \
         f"{auth_server.counts['securetoken'] - refreshes} refreshes for one 401 (expected one)"
+    assert firebase.settle()  # the fixture logs a request after its answer went out
     tries = [(r.kind, r.name or r.prefix, r.auth) for r in firebase.log[seen:]]
     # A lookup asks "a directory?" (list) and "an object?" (metadata) at once: each request
     # once, and once more after the one refresh.
@@ -378,6 +379,7 @@ def test_persistent_401_with_token_file_is_eacces(bare_mount, firebase, auth_ser
     seen = len(firebase.log)
     auth_server.reject_current_id_tokens()       # and nobody writes a new one
     assert errname(errno_of(_read, m.p("alice/a5.txt"))) == "EACCES"
+    assert firebase.settle()
     tries = [(r.kind, r.name or r.prefix, r.status) for r in firebase.log[seen:]]
     by_request = Counter((kind, what) for kind, what, _ in tries)
     assert tries and max(by_request.values()) <= 2 and len(by_request) <= 2 and all(t[2] == 401 for t in tries), \
