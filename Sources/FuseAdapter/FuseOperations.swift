@@ -72,7 +72,7 @@ private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escapin
 private func replyReadOnly(_ req: fuse_req_t?, _ op: FuseOp, _ inode: fuse_ino_t) {
     let e = Errno.value(for: .readOnly)
     _ = fuse_reply_err(req, e)
-    OpTrace.record(op, inode: UInt64(inode), errno: e, started: clockSeconds())
+    OpTrace.record(op, inode: UInt64(inode), errno: e, started: monotonicNow())
 }
 
 /// The uid of the process behind a request (who asks for a capability attribute).
@@ -153,7 +153,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         guard let child = String(validatingCString: name!) else {
             let e = Errno.value(for: .noEntry)
             _ = fuse_reply_err(req, e)
-            OpTrace.record(.lookup, inode: UInt64(parent), name: Log.escaped(String(cString: name!)), errno: e, started: clockSeconds())
+            OpTrace.record(.lookup, inode: UInt64(parent), name: Log.escaped(String(cString: name!)), errno: e, started: monotonicNow())
             return
         }
         let trace = OpTrace(.lookup, inode: UInt64(parent), name: child)
@@ -172,7 +172,7 @@ func makeOperations() -> fuse_lowlevel_ops {
     }
 
     ops.forget = { req, ino, nlookup in
-        let started = clockSeconds()
+        let started = monotonicNow()
         context(req).fs.forget(UInt64(ino), count: UInt64(nlookup))
         fuse_reply_none(req)
         OpTrace.record(.forget, inode: UInt64(ino), errno: 0, started: started)
@@ -269,7 +269,7 @@ func makeOperations() -> fuse_lowlevel_ops {
     }
 
     ops.releasedir = { req, ino, fi in
-        let started = clockSeconds()
+        let started = monotonicNow()
         context(req).fs.release(fi!.pointee.fh)
         _ = fuse_reply_err(req, 0)
         OpTrace.record(.releasedir, inode: UInt64(ino), errno: 0, started: started)
@@ -288,7 +288,7 @@ func makeOperations() -> fuse_lowlevel_ops {
     }
 
     ops.read = { req, ino, size, off, fi in
-        let started = clockSeconds()
+        let started = monotonicNow()
         let inode = UInt64(ino)
         let ctx = context(req)
         let handle = fi!.pointee.fh
@@ -340,7 +340,7 @@ func makeOperations() -> fuse_lowlevel_ops {
     }
 
     ops.release = { req, ino, fi in
-        let started = clockSeconds()
+        let started = monotonicNow()
         context(req).fs.release(fi!.pointee.fh)
         _ = fuse_reply_err(req, 0)
         OpTrace.record(.release, inode: UInt64(ino), errno: 0, started: started)
@@ -367,7 +367,7 @@ func makeOperations() -> fuse_lowlevel_ops {
 
     // The block cache's capacity and free space, and names remembered (README, "df").
     ops.statfs = { req, ino in
-        let started = clockSeconds()
+        let started = monotonicNow()
         let usage = context(req).fs.usage()
         var st = statvfs()
         st.f_bsize = UInt(usage.blockSize)

@@ -1,4 +1,5 @@
 import Glibc
+import StorageClient
 import StorefsCore
 
 /// One FUSE operation on its way to a reply: counted in `Metrics` and, at `log_level=debug`,
@@ -16,7 +17,7 @@ final class OpTrace: @unchecked Sendable {
         self.op = op
         self.inode = inode
         self.name = name
-        started = clockSeconds()
+        started = monotonicNow()
     }
 
     /// The reply went out: `errno` 0 for success.
@@ -26,7 +27,7 @@ final class OpTrace: @unchecked Sendable {
 
     /// For operations that need no object (reads: no allocation on the hot path).
     static func record(_ op: FuseOp, inode: UInt64, name: String? = nil, errno: Int32, started: Double, bytes: Int = 0) {
-        let seconds = clockSeconds() - started
+        let seconds = monotonicNow() - started
         Metrics.shared.fuseOp(op, errno: errno, seconds: seconds, bytes: bytes)
         guard Log.enabled(.debug) else { return }
         var fields = [("op", op.name), ("ino", String(inode))]
@@ -36,11 +37,4 @@ final class OpTrace: @unchecked Sendable {
         fields.append(("dur_ms", String(Double(Int(seconds * 1_000_000)) / 1000)))
         Log.log(.debug, "fuse", fields: fields)
     }
-}
-
-/// Seconds on the monotonic clock.
-func clockSeconds() -> Double {
-    var ts = timespec()
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
 }

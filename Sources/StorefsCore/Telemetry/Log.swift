@@ -1,5 +1,6 @@
 import Foundation
 import Glibc
+import StorageClient
 import Synchronization
 
 /// Levels of `log_level=`.
@@ -122,7 +123,7 @@ public enum Log {
         let thread = Thread {
             while true {
                 Thread.sleep(forTimeInterval: 1)
-                flushRepeats(now: monotonicNowSeconds(), all: false)
+                flushRepeats(now: monotonicNow(), all: false)
             }
         }
         thread.name = "storefs-log"
@@ -150,7 +151,7 @@ public enum Log {
     /// A line whose fields are built at run time (check `enabled` first when they cost).
     public static func log(_ level: LogLevel, _ message: String, fields: [(String, String)]) {
         guard enabled(level) else { return }
-        if level <= .warn, !admitRepeat(level, message, fields, now: monotonicNowSeconds()) { return }
+        if level <= .warn, !admitRepeat(level, message, fields, now: monotonicNow()) { return }
         write(level, message, fields)
     }
 
@@ -158,7 +159,7 @@ public enum Log {
         guard enabled(level) else { return }
         let msg = message()
         let pairs = fields().map { ($0.key, $0.value) }
-        if level <= .warn, !admitRepeat(level, msg, pairs, now: monotonicNowSeconds()) { return }
+        if level <= .warn, !admitRepeat(level, msg, pairs, now: monotonicNow()) { return }
         write(level, msg, pairs)
     }
 
@@ -242,11 +243,4 @@ public enum Log {
         }
         return String(out)
     }
-}
-
-/// Seconds on the monotonic clock.
-func monotonicNowSeconds() -> Double {
-    var ts = timespec()
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return Double(ts.tv_sec) + Double(ts.tv_nsec) / 1e9
 }

@@ -57,7 +57,7 @@ public final class Metrics: Sendable {
         public var evictedBytes: UInt64 = 0
     }
 
-    private let started = monotonicNowSeconds()
+    private let started = monotonicNow()
     private let fuse = Mutex(Snapshot())
     private let http = Mutex(Snapshot())
     private let cache = Mutex(Snapshot())
@@ -111,7 +111,7 @@ public final class Metrics: Sendable {
         var out = fuse.withLock { $0 }
         let h = http.withLock { $0 }
         let c = cache.withLock { $0 }
-        out.uptime = monotonicNowSeconds() - started
+        out.uptime = monotonicNow() - started
         out.requests = h.requests
         out.downloadedBytes = h.downloadedBytes
         out.requestLatency = h.requestLatency
