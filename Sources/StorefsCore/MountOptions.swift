@@ -44,8 +44,13 @@ public struct MountOptions: Sendable, Equatable {
     /// made 8 parallel readers ~20% slower (per-block bookkeeping) and cost 4 MiB of index
     /// memory per cached GiB. Sequential reads fetch whole 8 MiB parts at any block size.
     public var blockSize = 16 << 10
-    public var readAhead: Int64 = 64 << 20
-    public var parallel = 4
+    /// The widest read-ahead window of one reader; nil: `memoryLimit` (the window follows
+    /// the parts in flight, docs/architecture.md, "Adaptive transfers").
+    public var readAhead: Int64?
+    /// Read-ahead parts in flight: nil = found from the link (2 to `maxParallel`); a number
+    /// fixes it.
+    public var parallel: Int?
+    public static let maxParallel = 32
     public var memoryLimit: Int64 = 256 << 20
     public var cacheWrites: CacheWrites = .all
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
@@ -132,8 +137,8 @@ public struct MountOptions: Sendable, Equatable {
           -o cache_dir=DIR   block cache directory (default $XDG_CACHE_HOME/storefs, /var/cache/storefs for root)
           -o cache_size=SIZE hard cap of the block cache, e.g. 10G (default: 10G or half the free space, if less)
           -o block_size=SIZE cache block size, a power of two from 4K to 16M (default 16K)
-          -o read_ahead=SIZE largest read-ahead window of a sequential reader (default 64M; 0 = off)
-          -o parallel=N      read-ahead downloads in flight at once (default 4)
+          -o read_ahead=SIZE largest read-ahead window of a sequential reader (default: memory_limit; 0 = off)
+          -o parallel=N      read-ahead downloads in flight at once, fixed (default: found from the link, 2 to 32)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)

@@ -193,8 +193,10 @@ enum StorefsMain {
             }
         }
         let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
-                                 config: .init(blockSize: o.blockSize, readAhead: o.readAhead, parallel: o.parallel,
-                                               memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites))
+                                 config: .init(blockSize: o.blockSize, readAhead: o.readAhead ?? o.memoryLimit,
+                                               parallel: o.parallel ?? MountOptions.maxParallel,
+                                               memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites,
+                                               adaptive: o.parallel == nil))
         let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace)
         if let offlineBecause {
             fs.startOffline(offlineBecause)

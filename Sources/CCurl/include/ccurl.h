@@ -15,6 +15,7 @@ static inline CURLcode ccurl_setopt_headerfn(CURL *h, ccurl_data_cb f) { return 
 typedef int (*ccurl_xferinfo_cb)(void *userdata, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal, curl_off_t ulnow);
 static inline CURLcode ccurl_setopt_xferinfofn(CURL *h, ccurl_xferinfo_cb f) { return curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, f); }
 static inline CURLcode ccurl_getinfo_long(CURL *h, CURLINFO i, long *v) { return curl_easy_getinfo(h, i, v); }
+static inline CURLcode ccurl_getinfo_double(CURL *h, CURLINFO i, double *v) { return curl_easy_getinfo(h, i, v); }
 /* CURL_GLOBAL_DEFAULT is a macro of macros; give Swift a plain value. */
 static inline long ccurl_global_default(void) { return CURL_GLOBAL_DEFAULT; }
 #endif

@@ -183,6 +183,12 @@ public final class HTTPClient: Sendable {
         withExtendedLifetime(transfer) {}
         var status = 0
         _ = ccurl_getinfo_long(h, CURLINFO_RESPONSE_CODE, &status)
+        // From the request sent to its first byte: connection set-up is left out (a new
+        // connection is a one-off, the server's distance is paid by every request).
+        var firstByte = 0.0, sent = 0.0
+        _ = ccurl_getinfo_double(h, CURLINFO_STARTTRANSFER_TIME, &firstByte)
+        _ = ccurl_getinfo_double(h, CURLINFO_PRETRANSFER_TIME, &sent)
+        StorageTelemetry.lastFirstByte = max(0, firstByte - sent)
 
         if rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && transfer.stoppedEarly) {
             checkin(easy)

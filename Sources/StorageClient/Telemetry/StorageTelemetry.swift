@@ -55,6 +55,19 @@ public enum StorageTelemetry {
         set { pthread_setspecific(attemptKey, UnsafeRawPointer(bitPattern: newValue)) }
     }
 
+    /// Seconds from sending this thread's last request to its first byte (connection set-up
+    /// left out): read-ahead learns from it how far away the server is.
+    public static var lastFirstByte: Double {
+        get { Double(bitPattern: UInt64(UInt(bitPattern: pthread_getspecific(firstByteKey)))) }
+        set { pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern))) }
+    }
+
+    private static let firstByteKey: pthread_key_t = {
+        var key = pthread_key_t()
+        pthread_key_create(&key, nil)
+        return key
+    }()
+
     private static let attemptKey: pthread_key_t = {
         var key = pthread_key_t()
         pthread_key_create(&key, nil)

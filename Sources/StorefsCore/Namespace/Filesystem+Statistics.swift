@@ -24,6 +24,8 @@ extension Filesystem {
         public var readAheadBytes: Int64 = 0
         public var parallel = 0
         public var partBytes: Int64 = 0
+        public var partsRunning = 0
+        public var adaptive = false
         public var inodes = 0
         public var knownPaths = 0
         public var listings = 0
@@ -42,8 +44,10 @@ extension Filesystem {
         g.inFlightBytes = reader.budget.inUse
         g.memoryLimitBytes = reader.config.memoryLimit
         g.readAheadBytes = reader.config.readAhead
-        g.parallel = reader.config.parallel
-        g.partBytes = reader.config.partSize
+        g.parallel = reader.transfers.parts
+        g.partBytes = reader.transfers.partSize
+        g.partsRunning = reader.transfers.running
+        g.adaptive = reader.config.adaptive
         g.inodes = table.withLock { $0.nodes.count }
         g.knownPaths = known.withLock { $0.count }
         g.listings = listings.withLock { $0.count }
@@ -91,7 +95,8 @@ extension Filesystem {
                 "evicted_bytes": m.evictedBytes,
             ] as [String: Any],
             "memory": ["in_flight_bytes": g.inFlightBytes, "limit_bytes": g.memoryLimitBytes] as [String: Any],
-            "read_ahead": ["max_window_bytes": g.readAheadBytes, "parallel": g.parallel, "part_bytes": g.partBytes] as [String: Any],
+            "read_ahead": ["max_window_bytes": g.readAheadBytes, "parallel": g.parallel, "part_bytes": g.partBytes,
+                           "parts_running": g.partsRunning, "adaptive": g.adaptive] as [String: Any],
             "namespace": ["inodes": g.inodes, "known_paths": g.knownPaths, "listings": g.listings] as [String: Any],
         ]
         let data = (try? JSONSerialization.data(withJSONObject: doc, options: [.sortedKeys])) ?? Data("{}".utf8)
@@ -108,7 +113,8 @@ extension Filesystem {
                 ("retries", String(m.retries)), ("errors", String(m.errors.values.reduce(0, +))),
                 ("cache_used_bytes", String(g.cacheUsedBytes)), ("cache_capacity_bytes", String(g.cacheCapacityBytes)),
                 ("cache_hits", String(m.cacheHits)), ("cache_misses", String(m.cacheMisses)),
-                ("in_flight_bytes", String(g.inFlightBytes)), ("memory_limit_bytes", String(g.memoryLimitBytes))]
+                ("in_flight_bytes", String(g.inFlightBytes)), ("memory_limit_bytes", String(g.memoryLimitBytes)),
+                ("parts", String(g.parallel)), ("part_bytes", String(g.partBytes))]
     }
 
     /// The same numbers in Prometheus's text format (version 0.0.4), for `metrics=`.
@@ -238,8 +244,12 @@ enum PrometheusText {
         plain("storefs_memory_limit_bytes", String(g.memoryLimitBytes))
         family("storefs_read_ahead_max_bytes", "gauge", "The largest read-ahead window of a reader (read_ahead).")
         plain("storefs_read_ahead_max_bytes", String(g.readAheadBytes))
-        family("storefs_read_ahead_parallel", "gauge", "Read-ahead downloads in flight at once at most (parallel).")
+        family("storefs_read_ahead_parallel", "gauge", "Read-ahead parts allowed in flight now (found from the link, or parallel=).")
         plain("storefs_read_ahead_parallel", String(g.parallel))
+        family("storefs_read_ahead_part_bytes", "gauge", "Size of read-ahead parts now.")
+        plain("storefs_read_ahead_part_bytes", String(g.partBytes))
+        family("storefs_read_ahead_parts_running", "gauge", "Read-ahead parts downloading now.")
+        plain("storefs_read_ahead_parts_running", String(g.partsRunning))
         family("storefs_inodes", "gauge", "Inodes the kernel holds references to.")
         plain("storefs_inodes", String(g.inodes))
         family("storefs_known_paths", "gauge", "Paths remembered beyond the kernel's references.")

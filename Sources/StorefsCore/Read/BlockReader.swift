@@ -24,10 +24,18 @@ public final class BlockReader: Sendable {
         /// patience rule in `execute` decides the rest, and each waiting part is a resident buffer.
         public var writeBacklog: Int64
         public var cacheWrites: CacheWrites
+        /// Parts in flight and their size follow the link (`TransferPlan`), `parallel` being
+        /// the most parts and `readAhead` the widest window; otherwise `parallel` parts of
+        /// `partSize` at most, always (`parallel=` given).
+        public var adaptive: Bool
+        /// The first read-ahead window of a sequential reader: it grows fourfold with each read, so
+        /// a short read of a large file fetches little (`head -c`), a long one soon a lot.
+        public var initialWindow: Int64 = 2 << 20
 
         public init(blockSize: Int = 16 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
                     partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20, writeBacklog: Int64? = nil,
-                    cacheWrites: CacheWrites = .all) {
+                    cacheWrites: CacheWrites = .all, adaptive: Bool = false) {
+            self.adaptive = adaptive
             self.blockSize = blockSize
             self.readAhead = readAhead
             self.parallel = parallel
@@ -44,6 +52,8 @@ public final class BlockReader: Sendable {
     /// Part of the cache key: the same bucket name at two endpoints is two buckets.
     let endpoint: String
     let budget: MemoryBudget
+    /// How many read-ahead parts run at once, and how large they are.
+    let transfers: TransferController
     let buffers: FlightBufferPool
     let requestBuffers: FlightBufferPool
     let writer: CacheWriter
@@ -75,7 +85,18 @@ public final class BlockReader: Sendable {
         self.config = config
         self.writer = writer
         budget = MemoryBudget(limit: config.memoryLimit)
-        let part = Int(max(config.partSize, Int64(config.blockSize)))
+        // Parts in flight may hold three quarters of the budget: the rest is for parts waiting
+        // for their cache write and for demand downloads, so that the daemon's peak RSS stays
+        // within memory_limit plus its base (docs/architecture.md, "Adaptive transfers").
+        let maxPartSize = config.adaptive ? max(config.partSize, 32 << 20) : config.partSize
+        transfers = TransferController(limits: .init(
+            startParts: config.adaptive ? min(16, config.parallel) : config.parallel, minParts: min(2, config.parallel),
+            maxParts: config.parallel, startPartSize: config.partSize, maxPartSize: maxPartSize,
+            memoryLimit: config.adaptive ? config.memoryLimit / 4 * 3 : config.memoryLimit,
+            fixedParts: config.adaptive ? nil : config.parallel))
+        // Regions as large as the largest part: a grown part never takes a mapping of its own
+        // beside the recycled ones (only the pages a part touches become resident).
+        let part = Int(max(maxPartSize, Int64(config.blockSize)))
         let request = FuseLimits.maxRequest + config.blockSize
         // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped.
         let parts = config.parallel + (config.cacheWrites == .keepUp ? Int(config.writeBacklog) / part : 0)
@@ -138,7 +159,7 @@ public final class BlockReader: Sendable {
 
     func openStream(_ meta: ObjectMetadata) -> Stream {
         let cached = meta.size > 0 ? cache?.acquire(endpoint: endpoint, meta: meta) : nil
-        let minWindow = min(config.partSize, config.readAhead)
+        let minWindow = min(config.partSize, config.readAhead, config.initialWindow)
         let key = ObjectKey(object: ByteName(meta.name), generation: meta.generation)
         let table = tables.withLock { t -> FlightTable in
             let entry = t[key] ?? (FlightTable(), 0)
@@ -265,7 +286,12 @@ public final class BlockReader: Sendable {
     }
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
-        let ahead = stream.detector.withLock { $0.observe(offset: offset, count: count, size: stream.meta.size) }
+        // A reader's window covers the parts that may run at once, and a little more.
+        let part = transfers.partSize
+        let limit = config.adaptive ? Int64(transfers.parts + 2) * part : config.readAhead
+        let ahead = stream.detector.withLock {
+            $0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part)
+        }
         if let ahead, let stopped = schedule(stream, ahead) {
             // Out of memory budget: the rest of the window is tried again on the next read.
             stream.detector.withLock { $0.unscheduled(from: stopped) }
@@ -304,7 +330,7 @@ public final class BlockReader: Sendable {
         let meta = stream.meta
         let first = Int(range.lowerBound / Int64(blockSize))
         let last = Int((range.upperBound - 1) / Int64(blockSize))
-        let perPart = max(1, Int(config.partSize / Int64(blockSize)))
+        let perPart = max(1, Int(transfers.partSize / Int64(blockSize)))
         let cachedMask = stream.cached?.cachedMask(first...last) ?? [Bool](repeating: false, count: last - first + 1)
         let comingMask = stream.flights.coveredMask(first...last)
         func cached(_ b: Int) -> Bool { cachedMask[b - first] }
@@ -340,7 +366,24 @@ public final class BlockReader: Sendable {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
                 prefetchPool.submit { [self] in
-                    if flight.claim() { self.execute(flight, stream, isCancelled: nil) }
+                    self.transfers.acquire()
+                    let t0 = now()
+                    if flight.claim() {
+                        self.execute(flight, stream, isCancelled: nil)
+                        let firstByte = StorageTelemetry.lastFirstByte
+                        switch flight.finished {
+                        case .success?:
+                            self.transfers.release(bytes: Int64(flight.length), seconds: now() - t0, firstByte: firstByte)
+                        case .failure(let e)?:
+                            self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true,
+                                                   refused: e.code == .quotaExceeded || e.httpStatus == 503)
+                        case nil:
+                            self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true)
+                        }
+                    } else {
+                        // A reader took it over while it waited for a slot.
+                        self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true)
+                    }
                     if let c = stream.cached { self.cache?.release(c) }
                     self.retireIfIdle(stream)
                 }

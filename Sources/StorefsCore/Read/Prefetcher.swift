@@ -3,7 +3,7 @@
 /// A read that starts where the previous one ended (or, for a large read, near it) extends a streak. Once a streak is
 /// established (two sequential reads, or one large one — the kernel's own readahead sends
 /// 128 KiB to 1 MiB requests for sequential buffered reads) the window opens at one part and
-/// doubles on every read up to `read_ahead`. Anything else resets it: random access gets no
+/// grows fourfold on every read up to `read_ahead`. Anything else resets it: random access gets no
 /// read-ahead at all, only the blocks it asked for.
 struct Prefetcher {
     let minWindow: Int64
@@ -26,7 +26,10 @@ struct Prefetcher {
     }
 
     /// Records a read of `count` bytes at `offset`; returns the byte range to fetch ahead, if any.
-    mutating func observe(offset: Int64, count: Int, size: Int64) -> Range<Int64>? {
+    /// `limit` caps the window now (the parts that may run at once, `TransferPlan`), and
+    /// `granularity` is the least worth scheduling (a part) once the window is wider.
+    mutating func observe(offset: Int64, count: Int, size: Int64, limit: Int64? = nil, granularity: Int64? = nil) -> Range<Int64>? {
+        let cap = max(minWindow, min(maxWindow, limit ?? maxWindow))
         let end = offset + Int64(count)
         // Exactly where the last read ended, or close to it for the large requests of kernel
         // readahead (which can arrive slightly out of order). Small reads that merely land
@@ -43,11 +46,14 @@ struct Prefetcher {
         }
         streak += 1
         guard maxWindow > 0, streak >= 2 || count >= Self.largeRead else { return nil }
-        if streak > 2 { window = min(window * 2, maxWindow) }
+        // ×4 per read: on a far link each read waits a round trip, so the window must reach
+        // the link's bandwidth-delay product in a few reads; one read (head -c) stays small.
+        window = streak > 2 ? min(window * 4, cap) : min(window, cap)
         let from = max(scheduledUntil, end)
         let to = min(size, end + window)
         // Whole parts only: sliding the window by each 1 MiB read would make 1 MiB GETs.
-        guard to > from, to - from >= minWindow || to == size else { return nil }
+        let least = max(minWindow, min(granularity ?? minWindow, window / 2))
+        guard to > from, to - from >= least || to == size else { return nil }
         scheduledUntil = to
         return from..<to
     }

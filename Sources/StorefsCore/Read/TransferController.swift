@@ -1,0 +1,234 @@
+import Foundation
+import StorageClient
+import Synchronization
+
+/// How many read-ahead parts may download at once, and how large they are, found from the
+/// link itself (docs/architecture.md, "Adaptive transfers").
+///
+/// The decisions are `TransferPlan`'s, a value with no clock or lock of its own, so they can
+/// be driven by a simulated link in tests; `TransferController` adds the clock, the lock and a
+/// first-come-first-served gate that read-ahead downloads pass before they start.
+///
+/// The idea: aggregate throughput is measured over epochs of at least a few completed parts.
+/// While the readers keep every slot busy (there is always a part waiting), the number of parts
+/// in flight doubles (then grows by a quarter) as long as each step brings at least `gain`
+/// more throughput; a step that does not is undone and the count holds for a while before it
+/// is probed again. Where the first byte of a part takes a large share of its time (a link
+/// far away), parts double in size. Refusals (429, 503) halve the count. Everything stays
+/// within `maxParts` and within `memoryLimit` (parts × size).
+struct TransferPlan: Equatable {
+    struct Limits: Equatable {
+        var startParts = 8
+        var minParts = 2
+        var maxParts = 32
+        var startPartSize: Int64 = 8 << 20
+        var maxPartSize: Int64 = 32 << 20
+        /// Bytes all parts in flight may hold.
+        var memoryLimit: Int64 = 256 << 20
+        /// A fixed count (`parallel=`): no adapting of the count.
+        var fixedParts: Int? = nil
+        /// Throughput must grow by this factor for a step up to stay.
+        var gain = 1.12
+        /// Epochs a count holds after a step up did not pay, before it is probed again.
+        var holdEpochs = 12
+        /// Shortest epoch, seconds.
+        var minEpoch = 0.12
+        /// An epoch ends by this many seconds even with few parts done.
+        var maxEpoch = 3.0
+    }
+
+    let limits: Limits
+    private(set) var parts: Int
+    private(set) var partSize: Int64
+    /// The best count measured so far and its throughput (bytes/s).
+    private(set) var best: (parts: Int, rate: Double)? = nil
+    private var slowStart = true
+    private var holdLeft = 0
+    // The epoch under way.
+    private var epochStart: Double
+    private var epochBytes: Int64 = 0
+    private var epochParts = 0
+    private var epochSaturated = false
+    private var epochFirstByte = 0.0
+    private var epochPartTime = 0.0
+
+    init(limits: Limits, now: Double) {
+        self.limits = limits
+        partSize = limits.startPartSize
+        parts = 0
+        epochStart = now
+        parts = limits.fixedParts ?? 0
+        if limits.fixedParts == nil { parts = clamp(limits.startParts) }
+    }
+
+    static func == (a: TransferPlan, b: TransferPlan) -> Bool { a.parts == b.parts && a.partSize == b.partSize }
+
+    /// The most parts that fit in memory at the current size.
+    private var memoryParts: Int { max(1, Int(limits.memoryLimit / max(1, partSize))) }
+
+    /// `n` within [minParts, min(maxParts, what fits in memory)].
+    private func clamp(_ n: Int) -> Int {
+        max(1, min(max(n, limits.minParts), limits.maxParts, memoryParts))
+    }
+
+    /// A slot was wanted while every slot was busy: the readers would take more.
+    mutating func noteWaiting() { epochSaturated = true }
+
+    /// A part finished: `bytes` in `seconds`, the first of them after `firstByte` seconds.
+    mutating func completed(bytes: Int64, seconds: Double, firstByte: Double, now: Double) {
+        epochBytes += bytes
+        epochParts += 1
+        epochFirstByte += firstByte
+        epochPartTime += seconds
+        let elapsed = now - epochStart
+        guard (epochParts >= max(2, parts) && elapsed >= limits.minEpoch) || elapsed >= limits.maxEpoch else { return }
+        endEpoch(elapsed: elapsed, now: now)
+    }
+
+    /// A part was refused for load (429, 503) or failed in transfer: fewer at once.
+    mutating func refused(now: Double) {
+        guard limits.fixedParts == nil else { return }
+        parts = clamp(max(limits.minParts, parts / 2))
+        best = nil
+        slowStart = false
+        holdLeft = limits.holdEpochs
+        restartEpoch(now)
+    }
+
+    private mutating func restartEpoch(_ now: Double) {
+        epochStart = now
+        epochBytes = 0
+        epochParts = 0
+        epochSaturated = false
+        epochFirstByte = 0
+        epochPartTime = 0
+    }
+
+    private mutating func endEpoch(elapsed: Double, now: Double) {
+        defer { restartEpoch(now) }
+        let rate = Double(epochBytes) / max(elapsed, 1e-6)
+        // Parts grow where waiting for the first byte would be a large share of a full part's
+        // time. Judged per byte, not from the parts' own times: the first parts of a stream are
+        // small (the window is still opening) and would all look like waiting. And only once
+        // the count has found its level: until then new connections add their set-up to the
+        // wait, and within the memory bound more parts beat larger ones.
+        if !slowStart || limits.fixedParts != nil, epochParts > 0, partSize < limits.maxPartSize,
+           Int64(parts) * partSize * 2 <= limits.memoryLimit {
+            let wait = epochFirstByte / Double(epochParts)
+            let moving = epochPartTime - epochFirstByte
+            if moving > 0 {
+                let perPart = Double(epochBytes) / moving  // bytes/s of one part once it flows
+                if wait / (wait + Double(partSize) / perPart) > 0.25 { partSize *= 2 }
+            }
+        }
+        guard limits.fixedParts == nil else { return }
+        // Readers that do not keep the slots busy say nothing about the link.
+        guard epochSaturated, epochParts > 0 else { return }
+        if holdLeft > 0 {
+            holdLeft -= 1
+            if let b = best, b.parts == parts, rate < b.rate * 0.7 { best = (parts, rate) }  // the link got slower
+            if holdLeft == 0 { stepUp() }
+            return
+        }
+        guard let b = best else {
+            best = (parts, rate)
+            stepUp()
+            return
+        }
+        if parts > b.parts {
+            if rate >= b.rate * limits.gain {
+                best = (parts, rate)
+                stepUp()
+            } else {
+                // The step did not pay: back to the best count, hold, probe again later.
+                parts = clamp(b.parts)
+                slowStart = false
+                holdLeft = limits.holdEpochs
+            }
+        } else {
+            best = (parts, max(rate, parts == b.parts ? b.rate : rate))
+            stepUp()
+        }
+    }
+
+    private mutating func stepUp() {
+        let next = slowStart ? parts * 2 : parts + max(1, parts / 4)
+        let grown = clamp(next)
+        if grown == parts {
+            holdLeft = limits.holdEpochs  // at a ceiling: nothing to probe
+            slowStart = false
+        }
+        parts = grown
+    }
+}
+
+/// `TransferPlan` with a clock and a lock, and the gate read-ahead downloads pass: at most
+/// `parts` of them run at once, started in the order they asked.
+final class TransferController: Sendable {
+    private struct State: ~Copyable {
+        var plan: TransferPlan
+        var running = 0
+        var nextTicket = 0
+        var serving = 0
+    }
+
+    private let state: Mutex<State>
+    private let condition = NSCondition()
+    let limits: TransferPlan.Limits
+
+    init(limits: TransferPlan.Limits) {
+        self.limits = limits
+        state = Mutex(State(plan: TransferPlan(limits: limits, now: monotonicNow())))
+    }
+
+    /// Parts allowed in flight now.
+    var parts: Int { state.withLock { $0.plan.parts } }
+    /// Size of the next read-ahead part.
+    var partSize: Int64 { state.withLock { $0.plan.partSize } }
+    /// Parts downloading now.
+    var running: Int { state.withLock { $0.running } }
+
+    /// Waits for a slot, first come first served.
+    func acquire() {
+        let ticket = state.withLock { s -> Int in
+            defer { s.nextTicket += 1 }
+            return s.nextTicket
+        }
+        condition.lock()
+        defer { condition.unlock() }
+        while true {
+            let go = state.withLock { s -> Bool in
+                guard s.serving == ticket else { return false }
+                if s.running < s.plan.parts {
+                    s.running += 1
+                    s.serving += 1
+                    return true
+                }
+                s.plan.noteWaiting()
+                return false
+            }
+            if go {
+                condition.broadcast()
+                return
+            }
+            _ = condition.wait(until: Date().addingTimeInterval(0.1))
+        }
+    }
+
+    /// A slot is given back: the part moved `bytes` in `seconds` (first byte after
+    /// `firstByte`), or failed (`refused`: the server asked for fewer requests).
+    func release(bytes: Int64, seconds: Double, firstByte: Double, failed: Bool = false, refused: Bool = false) {
+        let now = monotonicNow()
+        state.withLock { s in
+            s.running -= 1
+            if refused {
+                s.plan.refused(now: now)
+            } else if !failed {
+                s.plan.completed(bytes: bytes, seconds: seconds, firstByte: firstByte, now: now)
+            }
+        }
+        condition.lock()
+        condition.broadcast()
+        condition.unlock()
+    }
+}

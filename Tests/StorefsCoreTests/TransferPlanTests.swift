@@ -1,0 +1,145 @@
+import Testing
+@testable import StorefsCore
+
+/// `TransferPlan` against a simulated link: every part waits `ttfb`, then moves at
+/// min(`perConnection`, `aggregate` / parts moving) bytes per second. The reader always wants
+/// more (unless `demand` caps the parts it keeps asked for).
+@Suite struct TransferPlanTests {
+    static let mib = Double(1 << 20)
+
+    struct Outcome {
+        var plan: TransferPlan
+        /// Bytes per second over the last second simulated.
+        var lastSecondRate: Double
+        var mostParts: Int
+    }
+
+    func simulate(_ limits: TransferPlan.Limits, perConnection: Double, aggregate: Double, ttfb: Double,
+                  seconds: Double = 6, demand: Int = .max) -> Outcome {
+        var plan = TransferPlan(limits: limits, now: 0)
+        struct Part { var started: Double; var waiting: Double; var left: Double; let size: Int64; var firstByte = 0.0 }
+        var running: [Part] = []
+        let dt = 0.0005
+        var t = 0.0
+        var lateBytes = 0.0
+        var most = 0
+        while t < seconds {
+            // Start what the plan allows while the reader wants more.
+            while running.count < min(plan.parts, demand) {
+                running.append(Part(started: t, waiting: ttfb, left: Double(plan.partSize), size: plan.partSize))
+            }
+            if running.count == plan.parts && demand > plan.parts { plan.noteWaiting() }
+            most = max(most, running.count)
+            let moving = running.filter { $0.waiting <= 0 }.count
+            let rate = moving == 0 ? 0 : min(perConnection, aggregate / Double(moving))
+            t += dt
+            var done: [Part] = []
+            for i in running.indices {
+                if running[i].waiting > 0 {
+                    running[i].waiting -= dt
+                    if running[i].waiting <= 0 { running[i].firstByte = t - running[i].started }
+                    continue
+                }
+                let moved = min(running[i].left, rate * dt)
+                running[i].left -= moved
+                if t > seconds - 1 { lateBytes += moved }
+                if running[i].left <= 0 { done.append(running[i]) }
+            }
+            running.removeAll { $0.left <= 0 }
+            for p in done { plan.completed(bytes: p.size, seconds: t - p.started, firstByte: p.firstByte, now: t) }
+        }
+        return Outcome(plan: plan, lastSecondRate: lateBytes, mostParts: most)
+    }
+
+    /// bench/run --link wan: 30 ms to the first byte, 50 MiB/s a connection, 1 GiB/s in all.
+    /// Sixteen parallel ranged streams get ~650 MiB/s there: the plan must find that many.
+    @Test func aWanLinkIsFilled() {
+        let o = simulate(.init(), perConnection: 50 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030)
+        #expect(o.plan.parts >= 16, "parts \(o.plan.parts)")
+        // 30 ms is a sixth of an 8 MiB part's time here: larger parts would only take memory
+        // that more parts put to better use.
+        #expect(o.plan.partSize == 8 << 20)
+        #expect(o.lastSecondRate >= 0.8 * 16 * 50 * Self.mib * (8.0 / 50) / (8.0 / 50 + 0.030), "rate \(o.lastSecondRate / Self.mib) MiB/s")
+    }
+
+    /// bench/run --link harsh: 80 ms, 20 MiB/s a connection.
+    @Test func aHarshLinkIsFilled() {
+        let o = simulate(.init(), perConnection: 20 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.080, seconds: 10)
+        #expect(o.plan.parts >= 24, "parts \(o.plan.parts)")
+        #expect(o.plan.partSize == 8 << 20)
+        #expect(o.lastSecondRate >= 0.8 * 16 * 20 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
+    }
+
+    /// One fast connection carries everything: more parts bring nothing, so they stop.
+    @Test func growthStopsWhenThroughputStops() {
+        let o = simulate(.init(), perConnection: 400 * Self.mib, aggregate: 400 * Self.mib, ttfb: 0.0005)
+        #expect(o.plan.parts <= 10, "parts \(o.plan.parts)")
+        #expect(o.plan.best.map { $0.parts <= 8 } == true)
+        #expect(o.lastSecondRate >= 0.95 * 400 * Self.mib)
+    }
+
+    /// Waiting for the first byte takes most of an 8 MiB part's time on a fast, far link, and
+    /// the count is at its ceiling (`parallel=8`): parts grow instead (within memory).
+    @Test func partsGrowWhereTheFirstByteDominates() {
+        var limits = TransferPlan.Limits()
+        limits.maxParts = 8
+        let o = simulate(limits, perConnection: 1024 * Self.mib, aggregate: 2048 * Self.mib, ttfb: 0.040)
+        #expect(o.plan.partSize >= 16 << 20, "parts \(o.plan.parts) size \(o.plan.partSize)")
+        #expect(Int64(o.plan.parts) * o.plan.partSize <= 256 << 20)
+    }
+
+    /// Where memory bounds the count, more parts beat larger ones: a far, fast link fills
+    /// memory with 8 MiB parts rather than growing them.
+    @Test func withinMemoryMorePartsBeatLargerOnes() {
+        let o = simulate(.init(), perConnection: 1024 * Self.mib, aggregate: 2048 * Self.mib, ttfb: 0.040)
+        #expect(o.plan.parts == 32 && o.plan.partSize == 8 << 20, "parts \(o.plan.parts) size \(o.plan.partSize)")
+    }
+
+    /// A stream's first parts are small (its window is still opening), so most of their time
+    /// is the wait for the first byte: that must not make full parts grow on a wan link.
+    @Test func smallFirstPartsDoNotGrowParts() {
+        var plan = TransferPlan(limits: .init(), now: 0)
+        var t = 0.0
+        for size in [1, 1, 2, 2, 4, 4, 8, 8] as [Int64] {
+            plan.noteWaiting()
+            let seconds = 0.030 + Double(size << 20) / (50 * Self.mib)
+            t += 0.06
+            plan.completed(bytes: size << 20, seconds: seconds, firstByte: 0.030, now: t)
+        }
+        #expect(plan.partSize == 8 << 20)
+    }
+
+    @Test func aReaderThatAsksForLittleGrowsNothing() {
+        let o = simulate(.init(), perConnection: 50 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030, demand: 2)
+        #expect(o.plan.parts == 8 && o.mostParts == 2)
+    }
+
+    @Test func memoryAndCeilingBoundTheCount() {
+        var limits = TransferPlan.Limits()
+        limits.memoryLimit = 64 << 20
+        let o = simulate(limits, perConnection: 10 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030)
+        #expect(o.mostParts <= 8 && o.plan.parts <= 8)
+        limits = TransferPlan.Limits()
+        limits.maxParts = 12
+        let c = simulate(limits, perConnection: 10 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030)
+        #expect(c.mostParts <= 12 && c.plan.parts == 12)
+    }
+
+    @Test func aFixedCountNeverMoves() {
+        var limits = TransferPlan.Limits()
+        limits.fixedParts = 4
+        limits.maxPartSize = limits.startPartSize
+        let o = simulate(limits, perConnection: 50 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030)
+        #expect(o.plan.parts == 4 && o.mostParts == 4 && o.plan.partSize == 8 << 20)
+    }
+
+    @Test func refusalsHalveTheCountAndItHolds() {
+        var plan = TransferPlan(limits: .init(), now: 0)
+        #expect(plan.parts == 8)
+        plan.refused(now: 1)
+        #expect(plan.parts == 4)
+        plan.refused(now: 2)
+        plan.refused(now: 3)
+        #expect(plan.parts == 2)
+    }
+}

@@ -1,0 +1,119 @@
+"""Read-ahead through a modelled WAN link (docs/architecture.md, "Adaptive transfers").
+
+The link is bench/link's linkproxy (the benchmark's `--link wan`: 30 ms to every first byte,
+50 MiB/s per connection, 60 ms to open a connection) in front of the emulator. Its request
+log says when each ranged GET started and ended, so the tests count the parts that were in
+flight at once: on a far link one stream is slow and only parallel parts fill it, which storefs
+must find with default options, inside memory_limit. Objects live in `link-bucket`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "bench", "link"))
+import link  # noqa: E402  (bench/link/link.py: LinkProxy, PROFILES)
+
+LB = "link-bucket"
+MiB = 1 << 20
+BIG = "big.bin"
+BIG_BYTES = random.Random(9).randbytes(96 * MiB)
+
+
+@pytest.fixture(scope="module")
+def lbucket(emulator):
+    emulator.create_bucket(LB, exist_ok=True)
+    emulator.upload(LB, BIG, BIG_BYTES)
+    return emulator
+
+
+@pytest.fixture
+def wan(lbucket, tmp_path):
+    """The `wan` profile in front of the emulator; stopped (by pid) at teardown."""
+    proxy = link.LinkProxy.profile("wan", lbucket.port, workdir=str(tmp_path),
+                                   log_path=str(tmp_path / "link.log"))
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    yield proxy
+    proxy.stop()
+
+
+def vm_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def media_requests(proxy) -> list[dict]:
+    return [r for r in proxy.stats()["per_request"] if "alt=media" in r["path"]]
+
+
+def most_at_once(requests: list[dict]) -> int:
+    """The most media GETs whose [request, last byte] intervals overlap."""
+    events = []
+    for r in requests:
+        end = r["t_last"] if r["t_last"] is not None else r["t_req"]
+        events += [(r["t_req"], 1), (end, -1)]
+    most = now = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        now += step
+        most = max(most, now)
+    return most
+
+
+def read_through(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            b = f.read(1 * MiB)
+            if not b:
+                break
+            h.update(b)
+    return h.digest()
+
+
+def test_sequential_read_on_defaults_fills_a_far_link_within_memory_limit(mount, wan):
+    """More than 4 parts (the old fixed default) in flight once the link rewards it, found
+    without `parallel=`; the daemon's peak RSS stays within memory_limit plus its base; every
+    byte downloaded once."""
+    limit = 64 * MiB
+    m = mount(LB, endpoint=wan.url, options=["memory_limit=64M"])
+    assert m.pid is not None
+    os.stat(m.p(BIG))
+    base = vm_kib(m.pid, "VmRSS") * 1024
+    wan.reset_stats()
+    assert read_through(m.p(BIG)) == hashlib.sha256(BIG_BYTES).digest(), "bytes differ"
+    media = media_requests(wan)
+    most = most_at_once(media)
+    assert most > 4, (
+        f"at most {most} ranged GETs in flight at once through a 30 ms / 50 MiB/s-per-connection "
+        f"link ({len(media)} GETs): read-ahead did not grow past 4 parts")
+    growth = vm_kib(m.pid, "VmHWM") * 1024 - base
+    slack = 24 * MiB
+    assert growth <= limit + slack, (
+        f"peak RSS grew by {growth / MiB:.1f} MiB during the read: more than memory_limit "
+        f"({limit // MiB} MiB) + {slack // MiB} MiB of fixed buffers")
+    body = sum(r["body"] for r in media)
+    assert body <= len(BIG_BYTES) * 1.02, (
+        f"{body / MiB:.1f} MiB of media for a {len(BIG_BYTES) // MiB} MiB object: ranges fetched twice")
+
+
+def test_parallel_option_fixes_the_parts_in_flight(mount, wan):
+    """`parallel=N` is an override: read-ahead never runs more than N parts at once, however
+    much the link would reward more (a reader's own miss may add one GET beside them)."""
+    m = mount(LB, endpoint=wan.url, options=["parallel=2"])
+    os.stat(m.p(BIG))
+    wan.reset_stats()
+    assert read_through(m.p(BIG)) == hashlib.sha256(BIG_BYTES).digest(), "bytes differ"
+    most = most_at_once(media_requests(wan))
+    assert most <= 3, f"{most} ranged GETs in flight at once with parallel=2"
