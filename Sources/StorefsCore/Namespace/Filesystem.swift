@@ -87,6 +87,7 @@ public final class Filesystem: Sendable {
     let handles = Mutex(Handles())
     let shadowLogged = Mutex(Set<ByteName>())
     let listingFlights = Mutex([ByteName: ListingFlight]())
+    let firstPages = Mutex(FirstPageCache())
     let listingPoolSlot = Mutex<WorkerPool?>(nil)
     let probePoolSlot = Mutex<WorkerPool?>(nil)
     let nameChanged = Mutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(nil)
@@ -305,6 +306,17 @@ public final class Filesystem: Sendable {
             default: break
             }
         }
+        // The first page of the parent, fetched beside an earlier lookup there, answers for
+        // the names it reaches (docs/architecture.md, "Lookups in one round trip").
+        if let page = firstPages.withLock({ $0.page(ByteName(parentPath)) }), t - page.fetched < config.listTTL,
+           let answer = FirstPageCache.answer(page, name: name) {
+            switch answer {
+            case .directory?: return (.directory, page.fetched)
+            case .file(let r)? where skipInode == nil: return (.file(r), page.fetched)
+            case nil where t - page.fetched < config.negativeTTL: throw FilesystemError(.noEntry, "no \(path)")
+            default: break  // a size to fetch (v0), a refresh, or an old "absent": ask the bucket
+            }
+        }
         // The bucket is known not to answer: what we know answers at once (BucketHealth).
         if let outage = health.outage {
             if let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
@@ -312,6 +324,7 @@ public final class Filesystem: Sendable {
         }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
         let objectName = objectName(of: path)
+        fetchFirstPage(parentPath)
         do throws(StorageError) {
             let kind: Node.Kind
             switch try probe(objectName, isCancelled: isCancelled) {
@@ -414,6 +427,7 @@ public final class Filesystem: Sendable {
         known.withLock { $0.forget(key) }
         fullMetadata.withLock { $0.forget(key) }
         listings.withLock { $0.invalidate(ByteName(parentPath)) }
+        firstPages.withLock { $0.forget(ByteName(parentPath)) }
         let parent = table.withLock { t -> UInt64? in
             if let ino = t.byPath[key] { t.expire(ino) }
             return t.byPath[ByteName(parentPath)]
