@@ -8,7 +8,9 @@ dropped caches, unless it says otherwise:
 - `random`: 500 cold 4 KiB preads (rand_cold_*), then the same offsets from the daemon's
   cache (rand_cached_*), then again after drop_caches (an extra line).
 - `parallel readers`: N dd on disjoint slices (par8; with --link also 4 readers: par4).
-- `first byte` (--link only): `head -c 1` of big.bin on a fresh mount (first_byte).
+- `first byte` (--link only): `head -c 1` of big.bin on a fresh mount (first_byte); of
+  tree/d07/f0712.txt on another (first_byte_tree), then of tree/d07/f0745.txt
+  (first_byte_sibling).
 - `find` / `ls -lR` of the 10,000-file tree (find, lsR).
 
 Values go to res[row][system] (a list, one per run); extras to extra[key][system]; a failed
@@ -192,8 +194,13 @@ def parallel_phase(sr: SystemRun, n: int, key: str, busy_key: str | None) -> Non
         shutil.rmtree(cache, ignore_errors=True)
 
 
+TREE_FIRST = "tree/d07/f0712.txt"
+TREE_SIBLING = "tree/d07/f0745.txt"
+
+
 def first_byte_phase(sr: SystemRun) -> None:
-    """`head -c 1` of big.bin on a fresh mount: lookup + open + the first read, seconds."""
+    """`head -c 1` of big.bin on a fresh mount: lookup + open + the first read, ms; then of
+    TREE_FIRST on another fresh mount, and of TREE_SIBLING (same directory) right after."""
     cache = sr.fresh_cache()
     try:
         with sr.mount(cache) as m:
@@ -204,6 +211,24 @@ def first_byte_phase(sr: SystemRun) -> None:
                 raise BenchError(f"head -c 1 gave {out.strip()} bytes")
             sr.put("first_byte", secs * 1000)
             log(f"  {sr.system} head -c 1 on a fresh mount {secs * 1000:.0f} ms")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if sr.cacheless:
+        return  # the floor shows one file (no tree)
+    # A small file two directories down (one round trip per component, then the GET), then a
+    # second file of the same directory (what the first lookup learnt about it should answer).
+    cache = sr.fresh_cache()
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            for key, rel in (("first_byte_tree", TREE_FIRST), ("first_byte_sibling", TREE_SIBLING)):
+                path = os.path.join(sr.ctx.mnt, rel)
+                secs, out = timed_shell(f"head -c 1 {shlex.quote(path)} | wc -c", m.pid,
+                                        timeout=60 * sr.ctx.timeout_factor)
+                if out.strip() != "1":
+                    raise BenchError(f"head -c 1 of {rel} gave {out.strip()} bytes")
+                sr.put(key, secs * 1000)
+                log(f"  {sr.system} head -c 1 of {rel} {secs * 1000:.0f} ms")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 

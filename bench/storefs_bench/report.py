@@ -40,6 +40,8 @@ ROWS = [
 LINK_ROWS = [
     ("par4", f"{LINK_READERS} readers of disjoint slices, cold", "MiB/s", True),
     ("first_byte", f"head -c 1 of {BIG} (fresh mount)", "ms", False),
+    ("first_byte_tree", "head -c 1 of tree/d07/f0712 (fresh)", "ms", False),
+    ("first_byte_sibling", "then of tree/d07/f0745 (same dir)", "ms", False),
 ]
 
 
