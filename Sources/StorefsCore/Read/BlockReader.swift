@@ -410,6 +410,16 @@ public final class BlockReader: Sendable {
             return
         }
         health.noteSuccess()
+        // Downloads that finished before this one but whose cache copy is still to be written
+        // (a reader's copy is written after its reply) would complete the object with this
+        // one: they are stored now, so that this download is the one that completes it and is
+        // checked before anyone reads it. Otherwise the last of them to be stored would find
+        // the mismatch after every byte had been served (docs/integrity.md).
+        if let cached = stream.cached, cached.awaitsCheck, !cached.wouldComplete(flight.firstBlock...flight.lastBlock) {
+            for other in stream.flights.finishedDownloads(except: flight) {
+                cached.store(first: other.firstBlock, UnsafeRawBufferPointer(other.buffer))
+            }
+        }
         // A download that completes the object is checked end to end before anyone may read
         // its bytes (docs/integrity.md): cached first, combined, compared with crc32c.
         if let cached = stream.cached, cached.awaitsCheck, cached.wouldComplete(flight.firstBlock...flight.lastBlock) {
@@ -490,6 +500,7 @@ public final class BlockReader: Sendable {
         defer { scratch.deallocate() }
         var last = CachedObject.Completion.incomplete
         var servedWrong: [Int] = []
+        var notedWrong = false
         var offset: Int64 = 0
         while offset < meta.size {
             let length = Int(min(part, meta.size - offset))
@@ -509,6 +520,13 @@ public final class BlockReader: Sendable {
                 if b < previous.count, crc != previous[b], !(flight.firstBlock...flight.lastBlock).contains(b) { servedWrong.append(b) }
                 at += n
             }
+            // Open files learn it before the right bytes are cached: a reader that finds them
+            // there (the FUSE thread's cache hits) must not finish a read of which earlier
+            // parts were wrong.
+            if !servedWrong.isEmpty && !notedWrong {
+                cached.noteServedWrong()
+                notedWrong = true
+            }
             // The flight's own bytes come from this download now.
             let from = max(offset, flight.start), to = min(offset + Int64(length), flight.end)
             if from < to {
@@ -525,7 +543,6 @@ public final class BlockReader: Sendable {
             return .failure(StorageError(.checksumMismatch, "\(object) does not match its crc32c, downloaded twice"))
         }
         if !servedWrong.isEmpty {
-            cached.noteServedWrong()
             Log.error("op=verify object=\(meta.name) gen=\(meta.generation) crc32c mismatch: \(servedWrong.count) block(s) from offset \(Int64(servedWrong[0]) * Int64(blockSize)) were wrong when first downloaded and may have been read; this read fails so the reader knows, the object is now cached right")
             return .failure(StorageError(.checksumMismatch, "\(object): bytes read earlier did not match its crc32c"))
         }
@@ -623,6 +640,17 @@ final class FlightTable: Sendable {
     }
 
     var isEmpty: Bool { entries.withLock { $0.byBlock.isEmpty } }
+
+    /// Registered downloads other than `flight` that finished with their bytes (in memory
+    /// until their cache copy is made).
+    func finishedDownloads(except flight: Flight) -> [Flight] {
+        entries.withLock { e in
+            e.flights.filter { f in
+                guard f !== flight, case .success? = f.finished else { return false }
+                return true
+            }
+        }
+    }
 
     func dropFinished() {
         entries.withLock { e in
