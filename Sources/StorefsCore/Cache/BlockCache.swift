@@ -422,6 +422,8 @@ final class CachedObject: Sendable {
 
     private let state: Mutex<State>
     private let servedWrong = Atomic<Int>(0)
+    private let checksBegun = Atomic<Int>(0)
+    private let checksRunning = Atomic<Int>(0)
     /// One writer per file at a time: concurrent buffered writes into one file queue on its
     /// inode lock, and the kernel spins waiting for it (with 4 read-ahead threads that spinning
     /// cost more CPU than the copies). A sleeping lock of our own is cheaper.
@@ -642,12 +644,14 @@ final class CachedObject: Sendable {
         return checkIfComplete()
     }
 
-    /// Whether storing blocks `blocks` would leave no block missing.
-    func wouldComplete(_ blocks: ClosedRange<Int>) -> Bool {
+    /// Whether storing the blocks of `ranges` would leave no block missing.
+    func wouldComplete(_ ranges: [ClosedRange<Int>]) -> Bool {
         state.withLock { s in
-            var missingInside = 0
-            for b in blocks where !s.index.isPresent(b) { missingInside += 1 }
-            return s.index.present + missingInside == s.index.count
+            // Most downloads of a large object are far from completing it: no per-block walk.
+            guard ranges.reduce(0, { $0 + $1.count }) >= s.index.count - s.index.present else { return false }
+            var missing = Set<Int>()  // the ranges may overlap (a download made again)
+            for r in ranges { for b in r where !s.index.isPresent(b) { missing.insert(b) } }
+            return s.index.present + missing.count == s.index.count
         }
     }
 
@@ -663,10 +667,30 @@ final class CachedObject: Sendable {
     /// read: an atomic, not the state lock its readers share.
     var servedWrongEpoch: Int { servedWrong.load(ordering: .acquiring) }
 
+    /// An end-to-end check of a completing download (`BlockReader.completeAndCheck`) begins:
+    /// from now until `endCheck`, bytes read from this file may be that download's, unchecked.
+    /// Readers take `checkEpoch` and `isChecking` before they copy and look again after: a read
+    /// that overlapped a check waits for it and honours its verdict (docs/integrity.md).
+    func beginCheck() {
+        checksRunning.add(1, ordering: .sequentiallyConsistent)
+        checksBegun.add(1, ordering: .sequentiallyConsistent)
+    }
+
+    /// The check is over; called after `noteServedWrong` if it found wrong bytes served, so a
+    /// reader that sees it over sees the verdict too.
+    func endCheck() { checksRunning.subtract(1, ordering: .sequentiallyConsistent) }
+
+    /// How many checks have begun (read before `isChecking`).
+    var checkEpoch: Int { checksBegun.load(ordering: .sequentiallyConsistent) }
+
+    var isChecking: Bool { checksRunning.load(ordering: .sequentiallyConsistent) > 0 }
+
     /// Whether a known CRC32C still waits to be checked (so completing the object matters).
     var awaitsCheck: Bool { state.withLock { $0.expected != nil && !$0.verified } }
 
-    private func checkIfComplete() -> Completion {
+    /// If every block is present and not yet verified: combines and compares (a mismatch drops
+    /// every block). The block reader calls it under its object's check lock.
+    func checkIfComplete() -> Completion {
         // Copied out under the lock, combined outside it (a large object has many blocks).
         let snapshot = state.withLock { s -> (crcs: [UInt32], expected: UInt32)? in
             guard let expected = s.expected, !s.verified, let crcs = s.index.allCRCs() else { return nil }

@@ -206,7 +206,10 @@ public final class BlockReader: Sendable {
     /// Never touches the network: safe on a FUSE thread.
     func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
         observe(stream, offset: offset, count: dst.count)
-        if stream.hasServedWrong { return false }  // `read` reports it
+        // Taken before anything is copied: while a completing download is checked, the cache
+        // may hold its bytes unchecked, and the check may yet find that bytes served were wrong.
+        let epoch = stream.cached?.checkEpoch ?? 0
+        if stream.hasServedWrong || stream.cached?.isChecking == true { return false }  // `read` decides
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
@@ -221,6 +224,8 @@ public final class BlockReader: Sendable {
             guard n > 0, cached.read(at: pos, into: slice(dst, Int(pos - offset), n)) else { return false }
             pos += Int64(n)
         }
+        // A check began while this copied, or found wrong bytes served: `read` waits for its verdict.
+        if let cached = stream.cached, cached.checkEpoch != epoch || cached.isChecking || stream.hasServedWrong { return false }
         return true
     }
 
@@ -250,10 +255,38 @@ public final class BlockReader: Sendable {
     func read(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer, observed: Bool,
               isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply? = nil) throws(StorageError) {
         if !observed { observe(stream, offset: offset, count: dst.count) }
-        if stream.hasServedWrong {
-            throw StorageError(.checksumMismatch,
-                               "gs://\(stream.meta.bucket)/\(stream.meta.name): bytes read through this open file did not match its crc32c (open it again)")
+        while true {
+            let epoch = stream.cached?.checkEpoch ?? 0
+            let checking = stream.cached?.isChecking ?? false
+            if stream.hasServedWrong { throw servedWrongError(stream) }
+            let fromCache = try readOnce(stream, at: offset, into: dst, isCancelled: isCancelled, afterReply: afterReply)
+            guard let cached = stream.cached else { return }
+            // No reply goes out while a check of the object is under way that began before this
+            // read ended: it may find that bytes served earlier (or copied here) were wrong.
+            if checking || cached.isChecking || cached.checkEpoch != epoch {
+                while cached.isChecking {
+                    if let isCancelled, isCancelled() { throw StorageError(.cancelled, "read interrupted") }
+                    Thread.sleep(forTimeInterval: 0.0005)
+                }
+                if stream.hasServedWrong { throw servedWrongError(stream) }
+                // Bytes from the cache may have been the checked download's, stored before its
+                // check (and not counted as served): read them again, now checked.
+                if fromCache { continue }
+            }
+            if stream.hasServedWrong { throw servedWrongError(stream) }
+            return
         }
+    }
+
+    private func servedWrongError(_ stream: Stream) -> StorageError {
+        StorageError(.checksumMismatch,
+                     "gs://\(stream.meta.bucket)/\(stream.meta.name): bytes read through this open file did not match its crc32c (open it again)")
+    }
+
+    /// One pass of `read`; true if any bytes came from the block cache.
+    private func readOnce(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
+                          isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply?) throws(StorageError) -> Bool {
+        var fromCache = false
         var pos = offset
         let end = offset + Int64(dst.count)
         while pos < end {
@@ -261,6 +294,7 @@ public final class BlockReader: Sendable {
                 let n = cached.cachedBytes(from: pos, upTo: end)
                 if n > 0, cached.read(at: pos, into: slice(dst, Int(pos - offset), n)) {
                     pos += Int64(n)
+                    fromCache = true
                     continue
                 }
             }
@@ -283,6 +317,7 @@ public final class BlockReader: Sendable {
                 throw error
             }
         }
+        return fromCache
     }
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
@@ -410,31 +445,43 @@ public final class BlockReader: Sendable {
             return
         }
         health.noteSuccess()
-        // Downloads that finished before this one but whose cache copy is still to be written
-        // (a reader's copy is written after its reply) would complete the object with this
-        // one: they are stored now, so that this download is the one that completes it and is
-        // checked before anyone reads it. Otherwise the last of them to be stored would find
-        // the mismatch after every byte had been served (docs/integrity.md).
-        if let cached = stream.cached, cached.awaitsCheck, !cached.wouldComplete(flight.firstBlock...flight.lastBlock) {
-            for other in stream.flights.finishedDownloads(except: flight) {
-                cached.store(first: other.firstBlock, UnsafeRawBufferPointer(other.buffer))
+        // Which download completes the object is decided under the object's check lock, one
+        // download at a time, and a download that does not complete it finishes (may be read)
+        // and is listed as unstored under that lock too: the next one to decide counts it, so
+        // two downloads can never each leave the completion to the other's cache copy, made
+        // after its bytes were served (docs/integrity.md). The one that completes it stores the
+        // unstored ones and is checked end to end, still under the lock, before anyone may read
+        // its bytes; `beginCheck` makes readers of the cache meanwhile wait for the verdict.
+        if let cached = stream.cached {
+            let checked = stream.flights.deciding { () -> Bool in
+                guard cached.awaitsCheck else {
+                    flight.finish(.success(()))
+                    return false
+                }
+                let others = stream.flights.unstored(except: flight)
+                guard cached.wouldComplete([flight.firstBlock...flight.lastBlock] + others.map { $0.firstBlock...$0.lastBlock }) else {
+                    flight.finish(.success(()))
+                    stream.flights.noteUnstored(flight)
+                    return false
+                }
+                cached.beginCheck()
+                for other in others { cached.store(first: other.firstBlock, UnsafeRawBufferPointer(other.buffer)) }
+                let outcome = completeAndCheck(flight, stream, cached, isCancelled: isCancelled)
+                cached.endCheck()
+                if case .failure = outcome { stream.flights.forget(flight) }
+                flight.finish(outcome)
+                if case .success = outcome, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
+                    stream.flights.forget(flight)  // readers take the bytes from the cache
+                }
+                return true
             }
-        }
-        // A download that completes the object is checked end to end before anyone may read
-        // its bytes (docs/integrity.md): cached first, combined, compared with crc32c.
-        if let cached = stream.cached, cached.awaitsCheck, cached.wouldComplete(flight.firstBlock...flight.lastBlock) {
-            let checked = completeAndCheck(flight, stream, cached, isCancelled: isCancelled)
-            if case .failure = checked { stream.flights.forget(flight) }
-            flight.finish(checked)
-            if case .success = checked, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
-                stream.flights.forget(flight)  // readers take the bytes from the cache
-            }
-            return
+            if checked { return }
+        } else {
+            flight.finish(.success(()))
         }
         // Waiters copy from the buffer at once; the disk copy is made afterwards (the buffer
         // lives as long as this call holds the flight). The flight stays registered until a
         // reader has copied its last block, or memory runs short.
-        flight.finish(.success(()))
         Log.trace("op=fetch object=\(meta.name) offset=\(flight.start) bytes=\(flight.length) get_us=\(Int((now() - t0) * 1e6))")
         if isCancelled != nil {
             // A reader made this download and is waiting to reply: the cache copy is written
@@ -464,6 +511,7 @@ public final class BlockReader: Sendable {
             }
             if !queued {
                 cache?.release(cached)
+                stream.flights.stored(flight)  // never cached: nothing to count on
                 if flight.markStored() { stream.flights.forget(flight) }
             }
         } else {
@@ -508,6 +556,8 @@ public final class BlockReader: Sendable {
             do throws(StorageError) {
                 try store.read(meta.name, generation: meta.generation, offset: offset, into: window, isCancelled: isCancelled)
             } catch {
+                // The object did not match and nothing tells which bytes served were right.
+                cached.noteServedWrong()
                 return .failure(error)
             }
             // Which blocks differ from what was cached (and so perhaps served) before?
@@ -552,7 +602,11 @@ public final class BlockReader: Sendable {
 
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
         if let cached = stream.cached {
-            if case .mismatch = cached.storeAndCheck(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer)) {
+            // The disk write outside the object's check lock, the check under it: never beside
+            // a completing download's check (which could then find only dropped blocks).
+            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+            stream.flights.stored(flight)
+            if case .mismatch = stream.flights.deciding({ cached.checkIfComplete() }) {
                 // Completed by a write made after its bytes were served (a cache copy written
                 // after the reply): nothing of it stays, readers fetch again, and the next read
                 // fails once so that a reader of the wrong bytes hears of it.
@@ -606,6 +660,18 @@ final class FlightTable: Sendable {
     }
 
     private let entries = Mutex(Entries())
+    /// Downloads that finished without completing their object, until their cache copy is
+    /// made: kept apart from `entries`, which lets finished flights go (memory, close).
+    private let pendingStores = Mutex<[Flight]>([])
+    /// Taken to decide which download completes the object and while it is checked, and for
+    /// the check after a later cache copy (`BlockReader.execute`, `storeToCache`).
+    private let checkLock = NSLock()
+
+    func deciding<T>(_ body: () -> T) -> T {
+        checkLock.lock()
+        defer { checkLock.unlock() }
+        return body()
+    }
 
     func flight(for block: Int) -> Flight? { entries.withLock { $0.byBlock[block] } }
 
@@ -639,18 +705,16 @@ final class FlightTable: Sendable {
         entries.withLock { $0.remove(flight) }
     }
 
-    var isEmpty: Bool { entries.withLock { $0.byBlock.isEmpty } }
+    var isEmpty: Bool { entries.withLock { $0.byBlock.isEmpty } && pendingStores.withLock { $0.isEmpty } }
 
-    /// Registered downloads other than `flight` that finished with their bytes (in memory
-    /// until their cache copy is made).
-    func finishedDownloads(except flight: Flight) -> [Flight] {
-        entries.withLock { e in
-            e.flights.filter { f in
-                guard f !== flight, case .success? = f.finished else { return false }
-                return true
-            }
-        }
-    }
+    /// Downloads other than `flight` that finished with their bytes and whose cache copy is
+    /// not made yet (the buffer is in memory until it is).
+    func unstored(except flight: Flight) -> [Flight] { pendingStores.withLock { $0.filter { $0 !== flight } } }
+
+    func noteUnstored(_ flight: Flight) { pendingStores.withLock { $0.append(flight) } }
+
+    /// Its cache copy is made (or will never be).
+    func stored(_ flight: Flight) { pendingStores.withLock { $0.removeAll { $0 === flight } } }
 
     func dropFinished() {
         entries.withLock { e in
