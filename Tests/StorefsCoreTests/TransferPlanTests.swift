@@ -109,6 +109,25 @@ import Testing
         #expect(plan.partSize == 8 << 20)
     }
 
+    /// The first part starts long after the plan was made (a mount idle for 10 s): that wait
+    /// is not a slow link. A step from 16 to 24 parts that brings nothing is undone.
+    @Test func anIdleGapIsNotASlowLink() {
+        var plan = TransferPlan(limits: .init(startParts: 16, memoryLimit: 192 << 20), now: 0)
+        let part: Int64 = 8 << 20
+        let rate = 800 * Self.mib  // the link's whole speed, however many parts share it
+        var t = 10.0
+        plan.startedAfterIdle(now: t)
+        for count in [16, 24] {
+            #expect(plan.parts == count)
+            for _ in 0..<count {
+                plan.noteWaiting()
+                t += Double(part) / rate
+                plan.completed(bytes: part, seconds: Double(count * Int(part)) / rate, firstByte: 0.0001, now: t)
+            }
+        }
+        #expect(plan.parts == 16, "parts \(plan.parts)")
+    }
+
     @Test func aReaderThatAsksForLittleGrowsNothing() {
         let o = simulate(.init(), perConnection: 50 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030, demand: 2)
         #expect(o.plan.parts == 8 && o.mostParts == 2)

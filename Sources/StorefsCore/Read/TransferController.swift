@@ -74,6 +74,11 @@ struct TransferPlan: Equatable {
     /// A slot was wanted while every slot was busy: the readers would take more.
     mutating func noteWaiting() { epochSaturated = true }
 
+    /// A part starts while none is running: an epoch measures from here, not from the last
+    /// one's end (mount time, for the first), or an idle gap would count as a slow link and
+    /// any step up after it would look like a gain.
+    mutating func startedAfterIdle(now: Double) { restartEpoch(now) }
+
     /// A part finished: `bytes` in `seconds`, the first of them after `firstByte` seconds.
     mutating func completed(bytes: Int64, seconds: Double, firstByte: Double, now: Double) {
         epochBytes += bytes
@@ -200,6 +205,7 @@ final class TransferController: Sendable {
             let go = state.withLock { s -> Bool in
                 guard s.serving == ticket else { return false }
                 if s.running < s.plan.parts {
+                    if s.running == 0 { s.plan.startedAfterIdle(now: monotonicNow()) }
                     s.running += 1
                     s.serving += 1
                     return true
