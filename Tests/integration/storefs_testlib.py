@@ -796,3 +796,12 @@ def storefs_on_path(storefs_bin: str):
     finally:
         if created:
             os.unlink(link)
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """A /proc/PID/status field in KiB (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")

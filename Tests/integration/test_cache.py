@@ -23,7 +23,7 @@ import uuid
 
 import pytest
 
-from storefs_testlib import BUCKET, is_mounted
+from storefs_testlib import BUCKET, is_mounted, vm_kib
 from storefs_testlib import read_whole as read_file
 
 CB = "cache-bucket"
@@ -650,14 +650,6 @@ def test_mount_raises_bdi_read_ahead_kb_to_1024(mount, corpus):
 
 
 # ---------------------------------------------------------------------- 13. memory bound
-def vm_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
 def test_sequential_read_memory_stays_within_memory_limit(mount, emulator, cdata):
     """memory_limit= bounds what downloads hold: a long sequential read with a read-ahead window
     four times the budget grows the daemon's peak RSS by no more than the budget plus fixed

@@ -20,6 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench", "link"))
 import link  # noqa: E402  (bench/link/link.py: LinkProxy, PROFILES)
+from storefs_testlib import vm_kib  # noqa: E402
 
 LB = "link-bucket"
 MiB = 1 << 20
@@ -50,14 +51,6 @@ def wan(lbucket, tmp_path):
         pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
     yield proxy
     proxy.stop()
-
-
-def vm_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def media_requests(proxy) -> list[dict]:
