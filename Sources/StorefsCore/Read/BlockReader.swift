@@ -322,8 +322,8 @@ public final class BlockReader: Sendable {
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
         // A reader's window covers the parts that may run at once, and a little more.
-        let part = transfers.partSize
-        let limit = config.adaptive ? Int64(transfers.parts + 2) * part : config.readAhead
+        let (parts, part) = transfers.current
+        let limit = config.adaptive ? Int64(parts + 2) * part : config.readAhead
         let ahead = stream.detector.withLock {
             $0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part)
         }

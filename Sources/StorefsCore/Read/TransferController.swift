@@ -190,6 +190,8 @@ final class TransferController: Sendable {
     var parts: Int { state.withLock { $0.plan.parts } }
     /// Size of the next read-ahead part.
     var partSize: Int64 { state.withLock { $0.plan.partSize } }
+    /// Both at once, under one lock (every read asks: a FUSE thread's hot path).
+    var current: (parts: Int, partSize: Int64) { state.withLock { ($0.plan.parts, $0.plan.partSize) } }
     /// Parts downloading now.
     var running: Int { state.withLock { $0.running } }
 
