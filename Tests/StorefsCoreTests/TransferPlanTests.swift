@@ -3,7 +3,8 @@ import Testing
 
 /// `TransferPlan` against a simulated link: every part waits `ttfb`, then moves at
 /// min(`perConnection`, `aggregate` / parts moving) bytes per second. The reader always wants
-/// more (unless `demand` caps the parts it keeps asked for).
+/// more (unless `demand` caps the parts it keeps asked for). `costPerPart` models a link whose
+/// pace is the daemon's CPU (loopback): each part moving takes that fraction off the aggregate.
 @Suite struct TransferPlanTests {
     static let mib = Double(1 << 20)
 
@@ -15,7 +16,7 @@ import Testing
     }
 
     func simulate(_ limits: TransferPlan.Limits, perConnection: Double, aggregate: Double, ttfb: Double,
-                  seconds: Double = 6, demand: Int = .max) -> Outcome {
+                  seconds: Double = 6, demand: Int = .max, costPerPart: Double = 0) -> Outcome {
         var plan = TransferPlan(limits: limits, now: 0)
         struct Part { var started: Double; var waiting: Double; var left: Double; let size: Int64; var firstByte = 0.0 }
         var running: [Part] = []
@@ -28,10 +29,14 @@ import Testing
             while running.count < min(plan.parts, demand) {
                 running.append(Part(started: t, waiting: ttfb, left: Double(plan.partSize), size: plan.partSize))
             }
-            if running.count == plan.parts && demand > plan.parts { plan.noteWaiting() }
+            if running.count == plan.parts && demand > plan.parts {
+                plan.noteWaiting()
+                plan.noteReaderWaited()
+            }
             most = max(most, running.count)
             let moving = running.filter { $0.waiting <= 0 }.count
-            let rate = moving == 0 ? 0 : min(perConnection, aggregate / Double(moving))
+            let total = aggregate * max(0.1, 1 - costPerPart * Double(moving))
+            let rate = moving == 0 ? 0 : min(perConnection, total / Double(moving))
             t += dt
             var done: [Part] = []
             for i in running.indices {
@@ -49,6 +54,21 @@ import Testing
             for p in done { plan.completed(bytes: p.size, seconds: t - p.started, firstByte: p.firstByte, now: t) }
         }
         return Outcome(plan: plan, lastSecondRate: lateBytes, mostParts: most)
+    }
+
+    /// One epoch's parts, all started together at `t` and sharing `rate`: each 8 MiB part takes
+    /// parts × 8 MiB / rate seconds (30 ms of it to the first byte).
+    static func wave(_ plan: inout TransferPlan, _ t: inout Double, rate: Double) {
+        let part: Int64 = 8 << 20
+        let n = plan.parts
+        let start = t
+        let seconds = Double(n) * Double(part) / rate
+        for i in 0..<n {
+            plan.noteWaiting()
+            plan.noteReaderWaited()
+            t = start + seconds + Double(i) * 1e-6
+            plan.completed(bytes: part, seconds: t - start, firstByte: 0.03, now: t)
+        }
     }
 
     /// bench/run --link wan: 30 ms to the first byte, 50 MiB/s a connection, 1 GiB/s in all.
@@ -78,6 +98,71 @@ import Testing
         #expect(o.lastSecondRate >= 0.95 * 400 * Self.mib)
     }
 
+    /// The daemon's CPU sets the pace, and every part in flight costs a little of it (memory
+    /// touched, buffers copied). Sixteen parts to start with are too many: the count steps down
+    /// to the few that still move as much, and throughput stays near the best.
+    @Test func whereTheCpuSetsThePaceFewerPartsWin() {
+        let o = simulate(.init(startParts: 16), perConnection: 300 * Self.mib, aggregate: 1200 * Self.mib,
+                         ttfb: 0.004, seconds: 3, costPerPart: 0.01)
+        #expect(o.plan.parts <= 6, "parts \(o.plan.parts)")
+        // Within a few percent of what the sixteen it started with moved (1200 × (1 − 0.16)),
+        // probes included.
+        #expect(o.lastSecondRate >= 0.8 * 1200 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
+    }
+
+    /// Loopback: the first byte comes within 3 ms, so the count starts at 4, not 16, and stays
+    /// there where more parts bring nothing.
+    @Test func aNearServerStartsWithFewParts() {
+        var plan = TransferPlan(limits: .init(startParts: 16), now: 0)
+        #expect(plan.parts == 16)
+        plan.noteWaiting()
+        plan.completed(bytes: 2 << 20, seconds: 0.002, firstByte: 0.0003, now: 0.01)
+        #expect(plan.parts == 4)
+        let o = simulate(.init(startParts: 16), perConnection: 1200 * Self.mib, aggregate: 1200 * Self.mib,
+                         ttfb: 0.0002, seconds: 3)
+        #expect(o.plan.parts <= 4, "parts \(o.plan.parts)")
+        // A far server keeps the sixteen.
+        var far = TransferPlan(limits: .init(startParts: 16), now: 0)
+        far.completed(bytes: 2 << 20, seconds: 0.07, firstByte: 0.030, now: 0.07)
+        #expect(far.parts == 16)
+    }
+
+    /// The read-ahead keeps ahead of its reader (a reader slower than the link, or the daemon's
+    /// own copies setting the pace): no reader waits for a part, so the count steps down to
+    /// the fewest parts, whatever the throughput says, and is probed upward again once readers wait.
+    @Test func aReaderKeptAheadOfNeedsFewParts() {
+        var plan = TransferPlan(limits: .init(startParts: 16), now: 0)
+        let part: Int64 = 8 << 20
+        var t = 0.0
+        func epoch(readerWaited: Bool) {
+            for _ in 0..<max(2, plan.parts) {
+                plan.noteWaiting()
+                if readerWaited { plan.noteReaderWaited() }
+                t += 0.07
+                plan.completed(bytes: part, seconds: 0.02, firstByte: 0.0001, now: t)
+            }
+        }
+        for _ in 0..<12 { epoch(readerWaited: false) }
+        #expect(plan.parts == 2, "parts \(plan.parts)")
+        epoch(readerWaited: true)  // a reader waits: the count is probed upward again
+        #expect(plan.parts == 3, "parts \(plan.parts)")
+    }
+
+    /// A step down that costs throughput is undone: a wan link keeps the parts that fill it.
+    @Test func aStepDownThatLosesIsUndone() {
+        var plan = TransferPlan(limits: .init(startParts: 16, memoryLimit: 192 << 20), now: 0)
+        var t = 0.0
+        func epoch(_ rate: Double) { Self.wave(&plan, &t, rate: rate) }
+        epoch(600 * Self.mib)  // 16
+        #expect(plan.parts == 24)
+        epoch(800 * Self.mib)  // 24 pays; at the memory ceiling, so 18 is tried
+        #expect(plan.parts == 18)
+        epoch(650 * Self.mib)  // 18 loses
+        #expect(plan.parts == 24)
+        for _ in 0..<5 { epoch(800 * Self.mib) }
+        #expect(plan.parts == 24)
+    }
+
     /// Waiting for the first byte takes most of an 8 MiB part's time on a fast, far link, and
     /// the count is at its ceiling (`parallel=8`): parts grow instead (within memory).
     @Test func partsGrowWhereTheFirstByteDominates() {
@@ -102,6 +187,7 @@ import Testing
         var t = 0.0
         for size in [1, 1, 2, 2, 4, 4, 8, 8] as [Int64] {
             plan.noteWaiting()
+            plan.noteReaderWaited()
             let seconds = 0.030 + Double(size << 20) / (50 * Self.mib)
             t += 0.06
             plan.completed(bytes: size << 20, seconds: seconds, firstByte: 0.030, now: t)
@@ -110,22 +196,17 @@ import Testing
     }
 
     /// The first part starts long after the plan was made (a mount idle for 10 s): that wait
-    /// is not a slow link. A step from 16 to 24 parts that brings nothing is undone.
+    /// is not a slow link. A step from 16 to 24 parts that brings nothing is undone (and as
+    /// the link moves as much with fewer, fewer are tried next).
     @Test func anIdleGapIsNotASlowLink() {
         var plan = TransferPlan(limits: .init(startParts: 16, memoryLimit: 192 << 20), now: 0)
-        let part: Int64 = 8 << 20
-        let rate = 800 * Self.mib  // the link's whole speed, however many parts share it
         var t = 10.0
         plan.startedAfterIdle(now: t)
         for count in [16, 24] {
             #expect(plan.parts == count)
-            for _ in 0..<count {
-                plan.noteWaiting()
-                t += Double(part) / rate
-                plan.completed(bytes: part, seconds: Double(count * Int(part)) / rate, firstByte: 0.0001, now: t)
-            }
+            Self.wave(&plan, &t, rate: 800 * Self.mib)  // the link's whole speed, however many parts share it
         }
-        #expect(plan.parts == 16, "parts \(plan.parts)")
+        #expect(plan.parts <= 16, "parts \(plan.parts)")
     }
 
     @Test func aReaderThatAsksForLittleGrowsNothing() {

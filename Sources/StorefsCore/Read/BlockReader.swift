@@ -98,11 +98,10 @@ public final class BlockReader: Sendable {
         // beside the recycled ones (only the pages a part touches become resident).
         let part = Int(max(maxPartSize, Int64(config.blockSize)))
         let request = FuseLimits.maxRequest + config.blockSize
-        // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped.
-        let parts = config.parallel + (config.cacheWrites == .keepUp ? Int(config.writeBacklog) / part : 0)
-        buffers = FlightBufferPool(regionSize: max(part, request),
-                                   keep: max(2, min(parts, Int(config.memoryLimit) / part)))
-        requestBuffers = FlightBufferPool(regionSize: request, keep: 8)
+        // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped,
+        // up to what memory_limit allows resident.
+        buffers = FlightBufferPool(regionSize: max(part, request), keepBytes: Int(config.memoryLimit))
+        requestBuffers = FlightBufferPool(regionSize: request, keepBytes: 8 * request)
     }
 
     /// Read-ahead parts take part-sized regions; demand downloads (at most one FUSE request
@@ -304,7 +303,12 @@ public final class BlockReader: Sendable {
             // Ours to run: a demand download we made, or read-ahead still queued (claimed here
             // rather than waited for behind other files' downloads on the prefetch threads).
             let mine = flight.claim()
-            if mine { execute(flight, stream, isCancelled: isCancelled ?? { false }, afterReply: afterReply) }
+            // The reader waits for the link: the read-ahead did not keep ahead of it.
+            if flight.finished == nil { transfers.noteReaderWaited() }
+            if mine {
+                execute(flight, stream, isCancelled: isCancelled ?? { false }, afterReply: afterReply)
+                if case .success? = flight.finished { transfers.noteFirstByte(StorageTelemetry.lastFirstByte) }
+            }
             guard let outcome = flight.wait(isCancelled: isCancelled) else {
                 throw StorageError(.cancelled, "read interrupted")
             }

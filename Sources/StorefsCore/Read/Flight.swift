@@ -106,19 +106,29 @@ final class Flight: @unchecked Sendable {
 }
 
 /// Download buffers, recycled: a fresh multi-MiB mapping costs a page fault and a zeroed page
-/// per 4 KiB (about a fifth of the CPU of a cold read here). Regions are mmap'd rather than
-/// malloc'd so that memory given back really leaves the process (glibc's arenas would keep
-/// it), and only `keep` regions are kept.
+/// per 4 KiB (about a fifth of the CPU of a cold read here, and more on a VM whose free pages
+/// the host has taken back). Regions are mmap'd rather than malloc'd so that memory given back
+/// really leaves the process (glibc's arenas would keep it).
+///
+/// What is kept is bounded by resident bytes, not by a count of regions: a region is as large
+/// as the largest part, but only the pages a part touched are resident, so counting regions
+/// either kept too few (8 MiB parts in 32 MiB regions: 24 parts in flight re-faulted two
+/// thirds of their pages on every part) or bounded nothing once parts grew.
 final class FlightBufferPool: @unchecked Sendable {
     let regionSize: Int
-    private let keep: Int
-    private var free: [UnsafeMutableRawPointer] = []
+    /// Resident bytes the free regions may hold.
+    private let keepBytes: Int
+    private var free: [(region: UnsafeMutableRawPointer, touched: Int)] = []
+    private var freeBytes = 0
+    /// Bytes touched in each region handed out, so a recycled region is counted as what it
+    /// holds resident, not as what its current part asked.
+    private var touched: [UnsafeMutableRawPointer: Int] = [:]
     private var lastUse = 0.0
     private let lock = NSLock()
 
-    init(regionSize: Int, keep: Int) {
+    init(regionSize: Int, keepBytes: Int) {
         self.regionSize = (regionSize + 4095) / 4096 * 4096
-        self.keep = keep
+        self.keepBytes = keepBytes
         MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
     }
 
@@ -133,33 +143,52 @@ final class FlightBufferPool: @unchecked Sendable {
         }
         let released = free
         free.removeAll()
+        freeBytes = 0
         lock.unlock()
-        for p in released { munmap(p, regionSize) }
+        for r in released { munmap(r.region, regionSize) }
     }
 
-    deinit { for p in free { munmap(p, regionSize) } }
+    deinit { for r in free { munmap(r.region, regionSize) } }
+
+    /// Resident bytes held by free regions (tests).
+    var keptBytes: Int {
+        lock.lock()
+        defer { lock.unlock() }
+        return freeBytes
+    }
 
     func take(_ length: Int) -> UnsafeMutableRawBufferPointer {
         if length <= regionSize {
             lock.lock()
-            let p = free.popLast()
             lastUse = now()
+            if let r = free.popLast() {
+                freeBytes -= r.touched
+                touched[r.region] = max(r.touched, length)
+                lock.unlock()
+                return UnsafeMutableRawBufferPointer(start: r.region, count: length)
+            }
             lock.unlock()
-            if let p { return UnsafeMutableRawBufferPointer(start: p, count: length) }
         }
         let size = max(length, regionSize)
         let p = mmap(nil, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         guard let p, p != MAP_FAILED else { fatalError("out of memory mapping a \(size)-byte download buffer") }
+        if size == regionSize {
+            lock.lock()
+            touched[p] = length
+            lock.unlock()
+        }
         return UnsafeMutableRawBufferPointer(start: p, count: length)
     }
 
     func give(_ buffer: UnsafeMutableRawBufferPointer) {
         let size = max(buffer.count, regionSize)
-        if size == regionSize {
+        if size == regionSize, let p = buffer.baseAddress {
             lock.lock()
             lastUse = now()
-            if free.count < keep {
-                free.append(buffer.baseAddress!)
+            let held = touched.removeValue(forKey: p) ?? regionSize
+            if freeBytes + held <= keepBytes {
+                free.append((p, held))
+                freeBytes += held
                 lock.unlock()
                 return
             }

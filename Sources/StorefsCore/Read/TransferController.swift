@@ -12,8 +12,12 @@ import Synchronization
 /// The idea: aggregate throughput is measured over epochs of at least a few completed parts.
 /// While the readers keep every slot busy (there is always a part waiting), the number of parts
 /// in flight doubles (then grows by a quarter) as long as each step brings at least `gain`
-/// more throughput; a step that does not is undone and the count holds for a while before it
-/// is probed again. Where the first byte of a part takes a large share of its time (a link
+/// more throughput. Where a step up does not pay (or the count is at its ceiling), the count
+/// steps down by a quarter while throughput stays within `tolerance` of the best: where the
+/// daemon's CPU, not the link, sets the pace (loopback), fewer parts move as much and touch
+/// less memory. Then the count holds for a while before it is probed again. And where no reader
+/// had to wait for a part during an epoch, the read-ahead is ahead of its readers: the count
+/// steps down without a comparison (a slow reader, or the daemon's own copies, set the pace). Where the first byte of a part takes a large share of its time (a link
 /// far away), parts double in size. Refusals (429, 503) halve the count. Everything stays
 /// within `maxParts` and within `memoryLimit` (parts × size).
 struct TransferPlan: Equatable {
@@ -29,8 +33,15 @@ struct TransferPlan: Equatable {
         var fixedParts: Int? = nil
         /// Throughput must grow by this factor for a step up to stay.
         var gain = 1.12
+        /// A step down stays while throughput is within this fraction of the best measured.
+        var tolerance = 0.05
         /// Epochs a count holds after a step up did not pay, before it is probed again.
         var holdEpochs = 12
+        /// A server that answers within this many seconds is near (loopback, the same rack):
+        /// few parts fill what little lies between, so the count starts at `nearStartParts`
+        /// instead, and grows from there only if more parts pay.
+        var nearFirstByte = 0.003
+        var nearStartParts = 4
         /// Shortest epoch, seconds.
         var minEpoch = 0.12
         /// An epoch ends by this many seconds even with few parts done.
@@ -43,12 +54,18 @@ struct TransferPlan: Equatable {
     /// The best count measured so far and its throughput (bytes/s).
     private(set) var best: (parts: Int, rate: Double)? = nil
     private var slowStart = true
+    /// The count the last completed part saw, and when the count took its current value.
+    private var countBefore = 0
+    private var countChangedAt = -Double.infinity
+    /// The first part's wait for its first byte has set the starting count.
+    private var startJudged = false
     private var holdLeft = 0
     // The epoch under way.
     private var epochStart: Double
     private var epochBytes: Int64 = 0
     private var epochParts = 0
     private var epochSaturated = false
+    private var epochReaderWaited = false
     private var epochFirstByte = 0.0
     private var epochPartTime = 0.0
 
@@ -74,6 +91,20 @@ struct TransferPlan: Equatable {
     /// A slot was wanted while every slot was busy: the readers would take more.
     mutating func noteWaiting() { epochSaturated = true }
 
+    /// The first download of the mount (a reader's own, usually, before any read-ahead) waited
+    /// `firstByte` seconds for its first byte: that sets the starting count, before the
+    /// readers' windows open to it.
+    mutating func judgeStart(firstByte: Double) {
+        guard !startJudged else { return }
+        startJudged = true
+        if limits.fixedParts == nil, firstByte < limits.nearFirstByte {
+            parts = clamp(min(parts, limits.nearStartParts))
+        }
+    }
+
+    /// A reader waited for a part still downloading: the link is behind the readers.
+    mutating func noteReaderWaited() { epochReaderWaited = true }
+
     /// A part starts while none is running: an epoch measures from here, not from the last
     /// one's end (mount time, for the first), or an idle gap would count as a slow link and
     /// any step up after it would look like a gain.
@@ -81,6 +112,14 @@ struct TransferPlan: Equatable {
 
     /// A part finished: `bytes` in `seconds`, the first of them after `firstByte` seconds.
     mutating func completed(bytes: Int64, seconds: Double, firstByte: Double, now: Double) {
+        judgeStart(firstByte: firstByte)
+        // A part that started before the count last changed ran (partly) under the previous
+        // count: counting it would credit a step down with the parts still in flight from above.
+        if parts != countBefore {
+            countBefore = parts
+            countChangedAt = epochStart
+        }
+        guard now - seconds >= countChangedAt - 0.001 || now - epochStart >= limits.maxEpoch else { return }
         epochBytes += bytes
         epochParts += 1
         epochFirstByte += firstByte
@@ -105,13 +144,17 @@ struct TransferPlan: Equatable {
         epochBytes = 0
         epochParts = 0
         epochSaturated = false
+        epochReaderWaited = false
         epochFirstByte = 0
         epochPartTime = 0
     }
 
     private mutating func endEpoch(elapsed: Double, now: Double) {
         defer { restartEpoch(now) }
-        let rate = Double(epochBytes) / max(elapsed, 1e-6)
+        // Throughput with every slot busy: the count times one part's bytes per second (Little's
+        // law), from the parts that ran wholly under this count. Bytes over the epoch's time
+        // would count the ramp of a new count (its parts all start together) as the count's.
+        let rate = epochPartTime > 0 ? Double(epochBytes) / epochPartTime * Double(parts) : Double(epochBytes) / max(elapsed, 1e-6)
         // Parts grow where waiting for the first byte would be a large share of a full part's
         // time. Judged per byte, not from the parts' own times: the first parts of a stream are
         // small (the window is still opening) and would all look like waiting. And only once
@@ -129,6 +172,17 @@ struct TransferPlan: Equatable {
         guard limits.fixedParts == nil else { return }
         // Readers that do not keep the slots busy say nothing about the link.
         guard epochSaturated, epochParts > 0 else { return }
+        // Readers that never waited for a part were kept ahead of: fewer parts will do.
+        guard epochReaderWaited else {
+            let lower = clamp(parts - max(1, parts / 4))
+            if lower < parts {
+                parts = lower
+                best = nil
+                slowStart = false
+                holdLeft = 0
+            }
+            return
+        }
         if holdLeft > 0 {
             holdLeft -= 1
             if let b = best, b.parts == parts, rate < b.rate * 0.7 { best = (parts, rate) }  // the link got slower
@@ -145,9 +199,19 @@ struct TransferPlan: Equatable {
                 best = (parts, rate)
                 stepUp()
             } else {
-                // The step did not pay: back to the best count, hold, probe again later.
+                // The step did not pay: back to the best count, and see whether fewer do as well.
                 parts = clamp(b.parts)
                 slowStart = false
+                stepDown()
+            }
+        } else if parts < b.parts {
+            if rate >= b.rate * (1 - limits.tolerance) {
+                // As fast with fewer: keep them, and try fewer still. The best rate stays the
+                // reference, so small losses cannot add up step after step.
+                best = (parts, b.rate)
+                stepDown()
+            } else {
+                parts = clamp(b.parts)
                 holdLeft = limits.holdEpochs
             }
         } else {
@@ -160,10 +224,21 @@ struct TransferPlan: Equatable {
         let next = slowStart ? parts * 2 : parts + max(1, parts / 4)
         let grown = clamp(next)
         if grown == parts {
-            holdLeft = limits.holdEpochs  // at a ceiling: nothing to probe
+            // At a ceiling: nothing to probe above, so probe below.
             slowStart = false
+            stepDown()
+            return
         }
         parts = grown
+    }
+
+    private mutating func stepDown() {
+        let lower = clamp(parts - max(1, parts / 4))
+        if lower == parts {
+            holdLeft = limits.holdEpochs  // at the floor: nothing to probe
+            return
+        }
+        parts = lower
     }
 }
 
@@ -194,6 +269,12 @@ final class TransferController: Sendable {
     var current: (parts: Int, partSize: Int64) { state.withLock { ($0.plan.parts, $0.plan.partSize) } }
     /// Parts downloading now.
     var running: Int { state.withLock { $0.running } }
+
+    /// A download other than read-ahead (a reader's own) got its first byte after `firstByte`.
+    func noteFirstByte(_ firstByte: Double) { state.withLock { $0.plan.judgeStart(firstByte: firstByte) } }
+
+    /// A reader waits for a part still downloading.
+    func noteReaderWaited() { state.withLock { $0.plan.noteReaderWaited() } }
 
     /// Waits for a slot, first come first served.
     func acquire() {
