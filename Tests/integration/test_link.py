@@ -134,6 +134,14 @@ def test_a_second_file_of_a_directory_costs_only_its_get(mount, wan):
                   for r in wan.stats()["per_request"]):
         assert time.monotonic() < deadline, "no first-page listing of tree/d1/ went out"
         time.sleep(0.05)
+    # The first lookup's probe (a metadata GET, a list of `f3.txt/`), which the page may have
+    # beaten, ends on its own (the proxy logs a request once answered).
+    def probed(paths):
+        return (any(p.endswith("/o/tree%2Fd1%2Ff3.txt") for p in paths)
+                and any("prefix=tree%2Fd1%2Ff3.txt%2F" in p for p in paths))
+    while not probed([r["path"] for r in wan.stats()["per_request"]]):
+        assert time.monotonic() < deadline, wan.stats()["per_request"]
+        time.sleep(0.05)
     wan.reset_stats()
     with open(m.p("tree/d1/f17.txt"), "rb") as f:
         assert f.read(1) == b"1"
@@ -143,3 +151,34 @@ def test_a_second_file_of_a_directory_costs_only_its_get(mount, wan):
     wan.reset_stats()
     assert not os.path.exists(m.p("tree/d1/f1x.txt"))
     assert wan.stats()["requests"] == 0, wan.stats()["per_request"]
+
+
+def test_a_lookup_takes_its_directory_page_when_it_lands_first(mount, lbucket, tmp_path):
+    """A lookup that asks the bucket sends its probe (two requests) and its directory's first
+    listing page at once, and takes whichever answers first (docs/architecture.md, "Lookups in
+    one round trip"). On a link where opening a connection takes 1.5 s, the probe's requests
+    wait for new connections while the page leaves on the one the previous request freed: a
+    file two directories down is read after one round trip per component and the GET, well
+    under one connection set-up (waiting for the probes took more than 1.5 s per level)."""
+    proxy = link.LinkProxy(lbucket.port, ttfb_ms=20, setup_ms=1500, workdir=str(tmp_path),
+                           log_path=str(tmp_path / "slow-setup.log"))
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    try:
+        m = mount(LB, endpoint=proxy.url)
+        started = time.monotonic()
+        with open(m.p("tree/d2/f5.txt"), "rb") as f:
+            assert f.read() == b"2/5\n"
+        took = time.monotonic() - started
+        assert took < 0.75, f"head of tree/d2/f5.txt took {took:.2f} s on a fresh mount"
+        # The file's probe still ran, to its end (the proxy logs a request once it is over):
+        # it was left to finish, not cut off mid-answer, which would close its connection.
+        deadline = time.monotonic() + 10
+        while not any(r["path"].endswith("/o/tree%2Fd2%2Ff5.txt") for r in proxy.stats()["per_request"]):
+            assert time.monotonic() < deadline, proxy.stats()["per_request"]
+            time.sleep(0.1)
+        assert proxy.stats()["incomplete"] == 0, proxy.stats()["per_request"]
+    finally:
+        proxy.stop()

@@ -53,6 +53,7 @@ final class Awaited<Value>: @unchecked Sendable {
 final class CallerCancellation: @unchecked Sendable {
     private let lock = NSLock()
     private var left = false
+    private var detached = false
     private let isCancelled: (@Sendable () -> Bool)?
 
     init(_ isCancelled: (@Sendable () -> Bool)?) { self.isCancelled = isCancelled }
@@ -61,8 +62,18 @@ final class CallerCancellation: @unchecked Sendable {
         { [self] in
             lock.lock()
             defer { lock.unlock() }
+            if detached { return false }
             return left || (isCancelled?() ?? false)
         }
+    }
+
+    /// The caller has its answer from elsewhere: the work runs to its end (within its own time
+    /// bounds), neither cancelled nor asking the caller's check again. Aborting a request
+    /// mid-answer would close its connection, which the next request wants warm.
+    func detach() {
+        lock.lock()
+        detached = true
+        lock.unlock()
     }
 
     func leave() {
@@ -74,3 +85,43 @@ final class CallerCancellation: @unchecked Sendable {
 
 /// The metadata GET of a lookup, made beside its "is it a directory?" list request.
 typealias ProbeResult = Awaited<Result<ObjectMetadata, StorageError>>
+
+/// What a lookup that asks the bucket waits for: its probe's two requests ("is it a
+/// directory?", "what is the object?") and, beside them, its directory's first listing page.
+/// Each landing wakes the waiter, which decides whether it has an answer yet
+/// (docs/architecture.md, "Lookups in one round trip").
+final class LookupRace: @unchecked Sendable {
+    private let condition = NSCondition()
+    private var metadata: Result<ObjectMetadata, StorageError>?
+    private var hasChildren: Result<Bool, StorageError>?
+    private var events = 0
+
+    func finish(metadata r: Result<ObjectMetadata, StorageError>) { land { $0.metadata = r } }
+    func finish(hasChildren r: Result<Bool, StorageError>) { land { $0.hasChildren = r } }
+    /// A listing page of the directory was stored.
+    func pageLanded() { land { _ in } }
+
+    private func land(_ change: (LookupRace) -> Void) {
+        condition.lock()
+        change(self)
+        events += 1
+        condition.broadcast()
+        condition.unlock()
+    }
+
+    /// Waits until `decide` gives an answer, asking it again after each landing (without the
+    /// lock held); nil when `isCancelled` said so first (checked every 50 ms).
+    func wait<T>(isCancelled: (@Sendable () -> Bool)?,
+                 decide: (Result<ObjectMetadata, StorageError>?, Result<Bool, StorageError>?) -> T?) -> T? {
+        while true {
+            condition.lock()
+            let (m, h, seen) = (metadata, hasChildren, events)
+            condition.unlock()
+            if let answer = decide(m, h) { return answer }
+            if let isCancelled, isCancelled() { return nil }
+            condition.lock()
+            if events == seen { _ = condition.wait(until: Date().addingTimeInterval(0.05)) }
+            condition.unlock()
+        }
+    }
+}

@@ -232,7 +232,7 @@ extension Filesystem {
     /// answered from that page, with no request (docs/architecture.md, "Lookups in one round
     /// trip"). One page only, never a whole large directory for one name; a page that is the
     /// whole directory becomes its listing.
-    func fetchFirstPage(_ dirPath: String) {
+    func fetchFirstPage(_ dirPath: String, race: LookupRace? = nil) {
         // Where listings give names only (Firebase v0), a page would answer little and its
         // names' sizes would cost a GET each: not worth a request per lookup.
         guard config.listTTL > 0, store.listingsCarrySizes else { return }
@@ -243,7 +243,10 @@ extension Filesystem {
         probePool.submit { [self] in
             let started = now()
             var kept: FirstPageCache.Page? = nil
-            defer { firstPages.withLock { $0.end(dir, kept) } }
+            defer {
+                firstPages.withLock { $0.end(dir, kept) }
+                race?.pageLanded()
+            }
             let prefix = listingPrefix(of: dirPath)
             // No caller waits for it: a failure only means the next lookup asks for itself.
             guard let page = try? store.list(prefix: prefix, pageToken: nil, isCancelled: nil) else { return }

@@ -308,15 +308,7 @@ public final class Filesystem: Sendable {
         }
         // The first page of the parent, fetched beside an earlier lookup there, answers for
         // the names it reaches (docs/architecture.md, "Lookups in one round trip").
-        if let page = firstPages.withLock({ $0.page(ByteName(parentPath)) }), t - page.fetched < config.listTTL,
-           let answer = FirstPageCache.answer(page, name: name) {
-            switch answer {
-            case .directory?: return (.directory, page.fetched)
-            case .file(let r)? where skipInode == nil: return (.file(r), page.fetched)
-            case nil where t - page.fetched < config.negativeTTL: throw FilesystemError(.noEntry, "no \(path)")
-            default: break  // a size to fetch (v0), a refresh, or an old "absent": ask the bucket
-            }
-        }
+        if let answer = firstPageAnswer(parentPath, name: name, refreshing: skipInode != nil) { return try answer.get() }
         // The bucket is known not to answer: what we know answers at once (BucketHealth).
         if let outage = health.outage {
             if let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
@@ -324,14 +316,31 @@ public final class Filesystem: Sendable {
         }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
         let objectName = objectName(of: path)
-        fetchFirstPage(parentPath)
+        let race = LookupRace()
+        fetchFirstPage(parentPath, race: race)
         do throws(StorageError) {
             let kind: Node.Kind
-            switch try probe(objectName, isCancelled: isCancelled) {
+            switch try probe(objectName, race: race, isCancelled: isCancelled, orFromPage: { [self] in
+                // The page landed first (its request went out on a warm connection while the
+                // probe's may still be opening theirs): it answers as well as the probe would.
+                if let (listing, fetched) = freshListing(parentPath), let index = listing.index(of: name) {
+                    switch listing.entries[index] {
+                    case .directory: return .success((.directory, fetched))
+                    case .file(let r) where skipInode == nil: return .success((.file(r), fetched))
+                    default: return nil
+                    }
+                }
+                return firstPageAnswer(parentPath, name: name, refreshing: skipInode != nil)
+            }) {
             case .directory: kind = .directory
             case .file(let meta):
                 fullMetadata.withLock { $0.remember(key, meta, at: now()) }
                 kind = .file(FileRecord(meta))
+            case .answered(.success(let answer)):
+                health.noteSuccess()
+                return answer
+            case .answered(.failure):
+                throw StorageError(.notFound, "no \(path) (as its directory's first page says)")
             }
             health.noteSuccess()
             return (kind, now())
@@ -376,36 +385,68 @@ public final class Filesystem: Sendable {
         return nil
     }
 
+    /// What the first page of `parentPath` (or its listing, once complete) says about `name`:
+    /// nil where it does not reach the name, holds a file without its size (v0), or the caller
+    /// refreshes a file (its own record is what is stale).
+    func firstPageAnswer(_ parentPath: String, name: String, refreshing: Bool) -> Result<(Node.Kind, Double), FilesystemError>? {
+        let t = now()
+        guard let page = firstPages.withLock({ $0.page(ByteName(parentPath)) }), t - page.fetched < config.listTTL,
+              let answer = FirstPageCache.answer(page, name: name) else { return nil }
+        switch answer {
+        case .directory?: return .success((.directory, page.fetched))
+        case .file(let r)? where !refreshing: return .success((.file(r), page.fetched))
+        case nil where t - page.fetched < config.negativeTTL:
+            return .failure(FilesystemError(.noEntry, "no \(parentPath.isEmpty ? name : parentPath + "/" + name)"))
+        default: return nil  // a size to fetch (v0), a refresh, or an old "absent": ask the bucket
+        }
+    }
+
     /// Is `objectName` a directory (a prefix with anything under it) or an object? Both are
-    /// asked at once (one round trip of waiting, not two); a directory wins over a same-named
-    /// object, as in listings.
-    func probe(_ objectName: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ProbeAnswer {
-        let object = ProbeResult()
-        // The metadata GET may outlive this call (when it is interrupted); the caller's
-        // isCancelled reads a FUSE request that is freed once the caller replies, so the GET
-        // asks it only while this call is on, under a lock this call takes to leave.
+    /// asked at once, on probe threads (one round trip of waiting, not two); a directory wins
+    /// over a same-named object, as in listings, so a "yes, a directory" ends the wait at once.
+    /// `orFromPage` is asked after each landing on `race` (the directory's first page, fetched
+    /// beside the probe): where it answers first, that answer is the lookup's.
+    func probe(_ objectName: String, race: LookupRace = LookupRace(), isCancelled: (@Sendable () -> Bool)?,
+               orFromPage: () -> Result<(Node.Kind, Double), FilesystemError>? = { nil }) throws(StorageError) -> ProbeAnswer {
+        // The requests may outlive this call; the caller's isCancelled reads a FUSE request
+        // that is freed once the caller replies, so they ask it only while this call is on,
+        // under a lock this call takes to leave. Once the call has its answer from elsewhere,
+        // they are detached: they end on their own rather than abort on a warm connection.
         let caller = CallerCancellation(isCancelled)
         defer { caller.leave() }
         probePool.submit { [store] in
-            do throws(StorageError) {
-                object.finish(.success(try store.metadata(of: objectName, isCancelled: caller.check)))
-            } catch {
-                object.finish(.failure(error))
+            race.finish(metadata: Result { () throws(StorageError) in try store.metadata(of: objectName, isCancelled: caller.check) })
+        }
+        probePool.submit { [store] in
+            race.finish(hasChildren: Result { () throws(StorageError) in
+                try store.hasChildren(prefix: objectName + "/", isCancelled: caller.check)
+            })
+        }
+        let answer = race.wait(isCancelled: isCancelled) { metadata, hasChildren -> Result<ProbeAnswer, StorageError>? in
+            if let page = orFromPage() { return .success(.answered(page)) }
+            switch hasChildren {
+            case .success(true)?: return .success(.directory)
+            case .failure(let e)?: return .failure(e)
+            case nil: return nil
+            case .success(false)?: break
             }
+            guard let metadata else { return nil }
+            return metadata.map { .file($0) }
         }
-        let isDirectory = Result { () throws(StorageError) in try store.hasChildren(prefix: objectName + "/", isCancelled: isCancelled) }
-        // Both answers are awaited (they ran side by side: the wait is one round trip), so no
-        // request of this lookup outlives it.
-        guard let result = object.wait(isCancelled: isCancelled) else {
-            throw StorageError(.cancelled, "lookup of \(objectName) interrupted")
+        guard let answer else { throw StorageError(.cancelled, "lookup of \(objectName) interrupted") }
+        switch answer {
+        case .success(let a):
+            caller.detach()
+            return a
+        case .failure(let e): throw e
         }
-        if try isDirectory.get() { return .directory }
-        return .file(try result.get())
     }
 
     enum ProbeAnswer {
         case directory
         case file(ObjectMetadata)
+        /// The directory's first page (or listing) answered before the probe did.
+        case answered(Result<(Node.Kind, Double), FilesystemError>)
     }
 
     var probePool: WorkerPool {
