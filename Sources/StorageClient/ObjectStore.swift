@@ -17,8 +17,12 @@ public protocol ObjectStore: Sendable {
     /// The caller clamps the range to the object's size; `buffer` is never empty.
     func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError)
-    /// Proves the bucket exists and the credentials may list `prefix` (start-up check).
-    func checkAccess(prefix: String) throws(StorageError)
+    /// Proves the bucket exists and the credentials may list `prefix` (start-up check). Where
+    /// listings carry sizes (GCS JSON), the check is the first listing page of `prefix`
+    /// itself, returned so that it answers lookups there with no request of their own; nil
+    /// where they do not (Firebase v0).
+    @discardableResult
+    func checkAccess(prefix: String) throws(StorageError) -> ListPage?
     /// Whether a listing's items carry sizes and generations (GCS JSON; not Firebase v0,
     /// whose listings give names only, docs/protocol.md §2.4).
     var listingsCarrySizes: Bool { get }

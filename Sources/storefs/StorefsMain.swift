@@ -166,8 +166,9 @@ enum StorefsMain {
         // is reported here, at the prompt, not as EIO later. An unreachable bucket with a
         // stored namespace mounts offline instead (offline=auto).
         var offlineBecause: StorageError? = nil
+        var rootPage: ListPage? = nil
         do {
-            try store.checkAccess(prefix: o.source.rootListingPrefix)
+            rootPage = try store.checkAccess(prefix: o.source.rootListingPrefix)
         } catch {
             guard o.offline == .auto, error.code == .unreachable || error.code == .retryLimitExceeded,
                   NamespaceStore.hasStoredNamespace(cacheDirectory: cacheDir, source: namespaceKey) else {
@@ -215,6 +216,9 @@ enum StorefsMain {
             return try FuseSession.run(fs, settings, ready: {
                 MemoryReturn.startTrimming()
                 Log.startBackground()
+                // After the fork: keeping a listing writes the stored namespace, whose writer
+                // must belong to the daemon, not to the launcher.
+                if let rootPage { fs.keepFirstPage("", rootPage) }
                 metrics?.start(render: { fs.prometheusText() })
                 cache.recordOwner(mountpoint: mountpoint)
             })

@@ -85,5 +85,5 @@ final class MemoryStoreForAdapter: ObjectStore, @unchecked Sendable {
     func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {}
 
-    func checkAccess(prefix: String) throws(StorageError) {}
+    func checkAccess(prefix: String) throws(StorageError) -> ListPage? { nil }
 }

@@ -121,5 +121,8 @@ final class MemoryStore: ObjectStore {
         }
     }
 
-    func checkAccess(prefix: String) throws(StorageError) { try check() }
+    func checkAccess(prefix: String) throws(StorageError) -> ListPage? {
+        try check()
+        return nil
+    }
 }

@@ -182,3 +182,18 @@ def test_a_lookup_takes_its_directory_page_when_it_lands_first(mount, lbucket, t
         assert proxy.stats()["incomplete"] == 0, proxy.stats()["per_request"]
     finally:
         proxy.stop()
+
+
+def test_the_mount_check_answers_the_first_lookups(mount, wan):
+    """The access check at mount is the root's first listing page (docs/architecture.md,
+    "Lookups in one round trip"): a name in the root, and the first directory of a path, are
+    answered from it, so `head -c 1` of a root file on a fresh mount makes one request, its GET."""
+    m = mount(LB, endpoint=wan.url)
+    wan.reset_stats()
+    with open(m.p(BIG), "rb") as f:
+        assert f.read(1) == BIG_BYTES[:1]
+    paths = [r["path"] for r in wan.stats()["per_request"]]
+    assert paths and all("alt=media" in p for p in paths), paths
+    wan.reset_stats()
+    assert not os.path.exists(m.p("no-such-name"))
+    assert wan.stats()["requests"] == 0, wan.stats()["per_request"]

@@ -237,7 +237,7 @@ def test_has_children_probe_of_an_object_name(client):
     assert page == {"items": [{"name": "deep/n1/"}]}   # the placeholder itself comes first
     page = client.json(gcs_list_path(prefix="d001/", **probe))
     assert page == {"items": [{"name": "d001/f00000.bin"}]}
-    # the mount-time access check (checkAccess) also asks for nextPageToken
+    # a one-name listing that also asks for nextPageToken (a small access check)
     page = client.json(gcs_list_path(prefix="d001/", delimiter="/", maxResults=1,
                                      fields="prefixes,nextPageToken,items(name)"))
     assert page["items"] == [{"name": "d001/f00000.bin"}] and page["nextPageToken"]

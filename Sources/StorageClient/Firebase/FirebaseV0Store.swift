@@ -71,10 +71,13 @@ public final class FirebaseV0Store: ObjectStore {
         }
     }
 
-    public func checkAccess(prefix: String) throws(StorageError) {
+    @discardableResult
+    public func checkAccess(prefix: String) throws(StorageError) -> ListPage? {
         do throws(StorageError) {
+            // Names without sizes would answer little (docs/protocol.md §2.4): the check stays small.
             _ = try client.getJSON(listURL(prefix: prefix, pageToken: nil, maxResults: 1),
                                    what: "list gs://\(bucket)/\(prefix)", policy: .startup)
+            return nil
         } catch {
             throw AuthorizedHTTP.explainAccessError(error, bucket: bucket, prefix: prefix, endpoint: endpoint)
         }

@@ -63,10 +63,16 @@ public final class GCSJSONStore: ObjectStore {
         }
     }
 
-    public func checkAccess(prefix: String) throws(StorageError) {
-        let url = listURL(prefix: prefix, pageToken: nil, maxResults: 1, fields: "prefixes,nextPageToken,items(name)")
+    @discardableResult
+    public func checkAccess(prefix: String) throws(StorageError) -> ListPage? {
+        // The first page of the mount's root, as `list` asks for it: the check costs no more
+        // round trips, and the page answers the first lookups (docs/architecture.md, "Lookups
+        // in one round trip").
+        let url = listURL(prefix: prefix, pageToken: nil, maxResults: Self.pageSize, fields: Self.listFields)
+        let what = "list gs://\(bucket)/\(prefix)"
         do throws(StorageError) {
-            _ = try client.getJSON(url, what: "list gs://\(bucket)/\(prefix)", policy: .startup)
+            return try ListPageParser.parse(try client.getJSONBytes(url, what: what, policy: .startup), what: what,
+                                            defaultBucket: bucket)
         } catch {
             throw AuthorizedHTTP.explainAccessError(error, bucket: bucket, prefix: prefix, endpoint: endpoint)
         }

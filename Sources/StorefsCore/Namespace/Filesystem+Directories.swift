@@ -232,14 +232,15 @@ extension Filesystem {
     /// answered from that page, with no request (docs/architecture.md, "Lookups in one round
     /// trip"). One page only, never a whole large directory for one name; a page that is the
     /// whole directory becomes its listing.
-    func fetchFirstPage(_ dirPath: String, race: LookupRace? = nil) {
+    @discardableResult
+    func fetchFirstPage(_ dirPath: String, race: LookupRace? = nil) -> Bool {
         // Where listings give names only (Firebase v0), a page would answer little and its
         // names' sizes would cost a GET each: not worth a request per lookup.
-        guard config.listTTL > 0, store.listingsCarrySizes else { return }
+        guard config.listTTL > 0, store.listingsCarrySizes else { return false }
         let dir = ByteName(dirPath)
-        if freshSnapshot(dirPath) != nil || listingFlights.withLock({ $0[dir] != nil }) { return }
-        if let page = firstPages.withLock({ $0.page(dir) }), now() - page.fetched < config.listTTL { return }
-        guard firstPages.withLock({ $0.begin(dir) }) else { return }
+        if freshSnapshot(dirPath) != nil || listingFlights.withLock({ $0[dir] != nil }) { return false }
+        if let page = firstPages.withLock({ $0.page(dir) }), now() - page.fetched < config.listTTL { return false }
+        guard firstPages.withLock({ $0.begin(dir) }) else { return false }
         probePool.submit { [self] in
             let started = now()
             var kept: FirstPageCache.Page? = nil
@@ -247,17 +248,33 @@ extension Filesystem {
                 firstPages.withLock { $0.end(dir, kept) }
                 race?.pageLanded()
             }
-            let prefix = listingPrefix(of: dirPath)
+            race?.pageSent()
             // No caller waits for it: a failure only means the next lookup asks for itself.
-            guard let page = try? store.list(prefix: prefix, pageToken: nil, isCancelled: nil) else { return }
-            var builder = DirectoryListing.Builder(prefix: prefix)
-            builder.add(page)
-            if page.nextPageToken == nil {
-                keepListing(dirPath, builder.build(), fetched: started)
-            } else {
-                kept = .init(listing: builder.build(), reached: FirstPageCache.reached(by: page, prefix: prefix), fetched: started)
-            }
+            guard let page = try? store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil) else { return }
+            kept = firstPage(dirPath, page, fetched: started)
         }
+        return true
+    }
+
+    /// Keeps the first listing page of `dirPath`, fetched elsewhere (the mount's access
+    /// check fetches the root's): it answers lookups there from now on.
+    public func keepFirstPage(_ dirPath: String, _ page: ListPage) {
+        guard config.listTTL > 0 else { return }
+        let kept = firstPage(dirPath, page, fetched: now())
+        firstPages.withLock { $0.end(ByteName(dirPath), kept) }
+    }
+
+    /// A page that is the whole directory becomes its listing (nil); a partial one is what
+    /// to keep as its first page.
+    private func firstPage(_ dirPath: String, _ page: ListPage, fetched: Double) -> FirstPageCache.Page? {
+        let prefix = listingPrefix(of: dirPath)
+        var builder = DirectoryListing.Builder(prefix: prefix)
+        builder.add(page)
+        if page.nextPageToken == nil {
+            keepListing(dirPath, builder.build(), fetched: fetched)
+            return nil
+        }
+        return .init(listing: builder.build(), reached: FirstPageCache.reached(by: page, prefix: prefix), fetched: fetched)
     }
 
     /// The size of a listed file whose listing gave only its name (Firebase v0): from the path
