@@ -42,11 +42,25 @@ import StorageClient
         #expect(store.requests == .init(list: 2, metadata: 1, read: 0))
     }
 
+    /// Waits for the requests lookups leave running in the background to end: directories'
+    /// first pages, and probe halves they no longer waited for once "a directory" came back.
+    func settle(_ fs: Filesystem) {
+        let deadline = monotonicNow() + 5
+        var last = store.requests
+        while monotonicNow() < deadline {
+            usleep(20_000)
+            let seen = store.requests
+            if seen == last && fs.firstPages.withLock({ $0.inFlight.isEmpty }) { return }
+            last = seen
+        }
+    }
+
     @Test func readdirListsEveryPageOnceAndLookupsThenCostNothing() throws {
         for i in 0..<10 { store.put(String(format: "d/f%02d", i), [UInt8(i)]) }
         store.put("d/sub/x", [1])
         let fs = makeFS()
         let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
+        settle(fs)
         let before = store.requests
         let h = try fs.openDirectory(d.inode)
         let names = try fs.readDirectory(h, from: 0).map(\.name)
@@ -262,6 +276,7 @@ import StorageClient
             fs.release(try fs.openDirectory(other.inode))
         }
         #expect(fs.cachedListingCounts.entries <= 1024)
+        settle(fs)
         let before = store.requests
         for i in 0..<600 { _ = try fs.lookup(parent: d0.inode, name: String(format: "f%03d", i), network: .never) }
         #expect(store.requests == before, "lookups in an open directory asked the bucket")
