@@ -15,6 +15,7 @@ public enum Errno {
         case .isDirectory: return EISDIR
         case .nameTooLong: return ENAMETOOLONG
         case .noAttribute: return ENODATA
+        case .attributeNamespaceUnsupported: return EOPNOTSUPP  // `ls -l` then stops asking the mount
         case .permissionDenied: return EACCES
         case .bufferTooSmall: return ERANGE
         case .staleHandle: return EBADF
@@ -63,6 +64,7 @@ extension Errno {
         case EIO: return "EIO"
         case EINTR: return "EINTR"
         case ENOSYS: return "ENOSYS"
+        case EOPNOTSUPP: return "EOPNOTSUPP"
         default: return "E\(value)"
         }
     }

@@ -16,6 +16,10 @@ public struct FilesystemError: Error, Sendable, CustomStringConvertible {
         case nameTooLong
         /// The extended attribute does not exist for this inode.
         case noAttribute
+        /// An extended attribute outside the `user.` namespace (security.*, system.*,
+        /// trusted.*): storefs has none, and says so the way a filesystem without that
+        /// namespace does, so tools stop asking (README, "Extended attributes").
+        case attributeNamespaceUnsupported
         /// This caller may not see this (a capability attribute under url_xattr=owner).
         case permissionDenied
         /// The caller's buffer is smaller than the value (getxattr/listxattr size protocol).

@@ -16,7 +16,7 @@ import StorageClient
     }
 
     @Test(arguments: [
-        (FilesystemError.Code.noEntry, ENOENT), (.readOnly, EROFS), (.noAttribute, ENODATA),
+        (FilesystemError.Code.noEntry, ENOENT), (.readOnly, EROFS), (.noAttribute, ENODATA), (.attributeNamespaceUnsupported, EOPNOTSUPP),
         (.bufferTooSmall, ERANGE), (.nameTooLong, ENAMETOOLONG), (.notDirectory, ENOTDIR), (.isDirectory, EISDIR),
     ])
     func filesystemConditions(code: FilesystemError.Code, errno expected: Int32) {

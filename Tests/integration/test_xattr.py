@@ -73,6 +73,30 @@ def test_missing_attributes_are_enodata(mount, corpus):
         assert errname(errno_of(os.getxattr, path, name)) == "ENODATA", name
 
 
+def test_other_namespaces_are_unsupported_so_ls_l_asks_once(mount, corpus):
+    """`ls -l` asks every file for security.selinux and system.posix_acl_access unless the
+    file system says it has no such namespace (EOPNOTSUPP); ENODATA costs two round trips a
+    file. Counted by the mount's own FUSE op counters."""
+    import json
+    import subprocess
+    m = mount()
+    path = m.p(corpus.PLAIN)
+    for name in ["security.selinux", "system.posix_acl_access", "trusted.x", "security.capability"]:
+        assert errno_of(os.getxattr, path, name) == errno.EOPNOTSUPP, name
+    d = m.p("dir1500")
+    assert len(os.listdir(d)) == len(corpus.DIR1500)
+
+    def getxattrs() -> int:
+        return json.loads(os.getxattr(m.path, P + "stats"))["fuse"]["ops"].get("getxattr", 0)
+
+    before = getxattrs()
+    r = subprocess.run(["ls", "-l", d], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == len(corpus.DIR1500) + 1   # "total" and a line per file
+    # The stats read itself is one; ls asks each namespace once (of 1,500 files).
+    assert getxattrs() - before <= 6, getxattrs() - before
+
+
 def test_listxattr_lists_present_attributes(mount, corpus):
     m = mount()
     names = set(os.listxattr(m.p(corpus.TOKEN)))

@@ -20,7 +20,12 @@ extension Filesystem {
 
     public func extendedAttribute(_ inode: UInt64, name: String, requester uid: UInt32 = 0,
                                   network: Network = .allowed) throws(FilesystemError) -> [UInt8] {
-        // ls -l asks every file for security.selinux and POSIX ACLs: answer those without work.
+        // `ls -l` asks each file for security.selinux and system.posix_acl_access. ENODATA
+        // would have it ask again for every file (two round trips each); "not supported" is
+        // remembered for the whole mount after the first (docs/architecture.md, "Metadata memory").
+        guard name.hasPrefix("user.") else {
+            throw FilesystemError(.attributeNamespaceUnsupported, "no \(name): storefs has user.* attributes only")
+        }
         guard name.hasPrefix(Self.xattrPrefix) else { throw FilesystemError(.noAttribute, "no attribute \(name)") }
         if let value = try statisticsAttribute(inode, name: name, requester: uid) { return value }
         if name == Self.downloadURLAttribute, try isFile(inode) {
