@@ -7,6 +7,10 @@
 /// the next offset); an error before any is the reply (libfuse's passthrough example does the
 /// same).
 enum DirectoryReply {
+    /// The most a readdirplus reply at offset 0 holds: one page, what kernels before 6.x asked
+    /// for (docs/architecture.md, "Metadata memory"): ~25 entries with attributes.
+    static let firstPlusReplyBytes = 4096
+
     /// How many entries, of the given packed sizes and in order, fit in `size` bytes.
     static func fitting(_ sizes: [Int], into size: Int) -> Int {
         var used = 0

@@ -237,6 +237,12 @@ func makeOperations() -> fuse_lowlevel_ops {
         let fs = context(req).fs
         let handle = fi!.pointee.fh
         answering(req, OpTrace(.readdirplus, inode: UInt64(ino))) {
+            // The kernel asks for attributes at offset 0 whether or not anyone wants them, and
+            // recent kernels ask for as much as the caller's buffer (~6,000 entries for `find`):
+            // each entry sent is an inode we must keep while the kernel holds it. Answering a
+            // page's worth there, as older kernels asked, lets `find` go on with plain readdir;
+            // `ls -l` stats those entries, and the kernel then asks for attributes in full.
+            let size = off == 0 ? min(size, DirectoryReply.firstPlusReplyBytes) : size
             // A direntplus takes at least 152 bytes (entry_out + dirent): no more are made.
             let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 152 + 1)
             let sizes = entries.map { fuse_add_direntry_plus(req, nil, 0, $0.name, nil, 0) }

@@ -28,7 +28,7 @@ extension Filesystem {
         var paths: [ByteName] = []
         for i in start..<end where i >= 2 { paths.append(ByteName(Self.join(path, names[i - 2]))) }
         let parentPath = ByteName(Self.split(path).parent)
-        let (known, parent) = table.withLock { t in (paths.map { t.byPath[$0] }, path.isEmpty ? inode : t.byPath[parentPath]) }
+        let (known, parent) = table.withLock { t in (paths.map { t.inode(of: $0) }, path.isEmpty ? inode : t.inode(of: parentPath)) }
         for i in start..<end {
             if i < 2 {
                 // `..` is the parent (the root's own parent is itself), as a directory's
@@ -292,7 +292,7 @@ extension Filesystem {
             case .missing: break
             }
         }
-        if let node = table.withLock({ tb in tb.byPath[key].flatMap { tb.nodes[$0] } }), t - node.fetched < config.statTTL {
+        if let node = table.withLock({ tb in tb.inode(of: key).flatMap { tb.nodes[$0] } }), t - node.fetched < config.statTTL {
             return (node.kind, node.fetched)
         }
         if let outage = health.outage {

@@ -181,7 +181,7 @@ public final class Filesystem: Sendable {
             // what we know (its cached blocks stay readable). Missing and denied stay errors.
             guard case .storage(let code) = error.code, Self.isOutage(code),
                   let known = table.withLock({ t -> (UInt64, Node)? in
-                      guard let ino = t.byPath[ByteName(path)], var node = t.nodes[ino] else { return nil }
+                      guard let ino = t.inode(of: ByteName(path)), var node = t.nodes[ino] else { return nil }
                       node.lookups += 1
                       t.nodes[ino] = node
                       return (ino, node)
@@ -292,7 +292,7 @@ public final class Filesystem: Sendable {
             if t - fetched < config.negativeTTL { throw FilesystemError(.noEntry, "no \(path)") }
         }
         if let node = table.withLock({ tb -> Node? in
-            guard let ino = tb.byPath[key], ino != skipInode, let n = tb.nodes[ino], t - n.fetched < config.statTTL else { return nil }
+            guard let ino = tb.inode(of: key), ino != skipInode, let n = tb.nodes[ino], t - n.fetched < config.statTTL else { return nil }
             return n
         }) {
             return (node.kind, node.fetched)
@@ -366,7 +366,7 @@ public final class Filesystem: Sendable {
     /// path cache, or the last listing of its parent. nil when nothing is known.
     func lastKnown(_ path: String, parentPath: String, name: String) -> Result<(Node.Kind, Double), FilesystemError>? {
         let key = ByteName(path)
-        if let node = table.withLock({ t in t.byPath[key].flatMap { t.nodes[$0] } }) { return .success((node.kind, node.fetched)) }
+        if let node = table.withLock({ t in t.inode(of: key).flatMap { t.nodes[$0] } }) { return .success((node.kind, node.fetched)) }
         if let record = known.withLock({ $0.last(key) }) {
             switch record.known {
             case .directory: return .success((.directory, record.fetched))
@@ -470,8 +470,8 @@ public final class Filesystem: Sendable {
         listings.withLock { $0.invalidate(ByteName(parentPath)) }
         firstPages.withLock { $0.forget(ByteName(parentPath)) }
         let parent = table.withLock { t -> UInt64? in
-            if let ino = t.byPath[key] { t.expire(ino) }
-            return t.byPath[ByteName(parentPath)]
+            if let ino = t.inode(of: key) { t.expire(ino) }
+            return t.inode(of: ByteName(parentPath))
         }
         // The kernel's entry for the name (and the attributes it caches for `stat_ttl`) must go
         // too, or `stat` keeps showing the old object.

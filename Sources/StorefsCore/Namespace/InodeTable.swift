@@ -2,8 +2,9 @@ import StorageClient
 
 /// One inode the kernel holds (docs/architecture.md, "Metadata memory"): its path, what it
 /// is, when that was last checked, and the kernel's reference count: 72 bytes
-/// (`FileRecordLayoutTests`), ~120 with the table's two dictionaries (paths of up to 15
-/// bytes are stored inline); the object resource itself is not kept here.
+/// (`FileRecordLayoutTests`), 91–102 with its slot's inode number and the table's two indexes
+/// (`NodeStore`; paths of up to 15 bytes are stored inline); the object resource itself is
+/// not kept here.
 struct Node {
     enum Kind: Equatable {
         case directory
@@ -44,14 +45,22 @@ struct Node {
 /// Only inodes the kernel references are here: what it forgot lives on, bounded, in the
 /// path-keyed `MetadataCache`.
 struct InodeTable {
-    var nodes: [UInt64: Node] = [Filesystem.rootInode: Node(path: "", kind: .directory, fetched: .infinity, lookups: 1)]
-    /// Paths by their bytes (ByteName): two canonically equivalent names are two inodes.
-    /// An inode whose path maps elsewhere is superseded (its object was replaced).
-    var byPath: [ByteName: UInt64] = [ByteName(""): Filesystem.rootInode]
+    /// Nodes by inode number; each path's current inode by the path's bytes (ByteName: two
+    /// canonically equivalent names are two inodes). An inode its path no longer names is
+    /// superseded (its object was replaced).
+    var nodes: NodeStore = {
+        var store = NodeStore()
+        store[Filesystem.rootInode] = Node(path: "", kind: .directory, fetched: .infinity, lookups: 1)
+        store.makeCurrent(Filesystem.rootInode)
+        return store
+    }()
     var lastOpenedGeneration: [UInt64: Int64] = [:]
 
+    /// The inode `path` names now.
+    func inode(of path: ByteName) -> UInt64? { nodes.current(path) }
+
     mutating func upsert(path: String, kind: Node.Kind, at time: Double, countLookup: Bool) -> (UInt64, Node) {
-        if let ino = byPath[ByteName(path)], var node = nodes[ino], node.kind.sameIdentity(as: kind) {
+        if let ino = nodes.current(ByteName(path)), var node = nodes[ino], node.kind.sameIdentity(as: kind) {
             node.kind = kind
             node.fetched = time
             if countLookup { node.lookups += 1 }
@@ -64,7 +73,7 @@ struct InodeTable {
         while nodes[ino] != nil || ino <= Filesystem.rootInode { ino = (ino &+ 1) | (1 << 63) }
         let node = Node(path: path, kind: kind, fetched: time, lookups: countLookup ? 1 : 0)
         nodes[ino] = node
-        byPath[ByteName(path)] = ino
+        nodes.makeCurrent(ino)
         return (ino, node)
     }
 
@@ -86,13 +95,13 @@ struct InodeTable {
 
     /// The inode no longer stands for its path (its object was replaced or deleted).
     mutating func supersede(_ ino: UInt64, _ node: Node) {
-        if byPath[ByteName(node.path)] == ino { byPath.removeValue(forKey: ByteName(node.path)) }
+        nodes.releasePath(of: ino)
     }
 
     /// Whether `ino` is still what its path names (not replaced by a newer object).
     func isCurrent(_ ino: UInt64) -> Bool {
         guard let node = nodes[ino] else { return false }
-        return byPath[ByteName(node.path)] == ino
+        return nodes.current(ByteName(node.path)) == ino
     }
 
     /// Makes the next `getattr`/`open` of `ino` ask the bucket again.
@@ -104,13 +113,10 @@ struct InodeTable {
         guard ino != Filesystem.rootInode, var node = nodes[ino] else { return nil }
         node.lookups = node.lookups > count ? node.lookups - count : 0
         if node.lookups == 0 {
+            let wasCurrent = nodes.current(ByteName(node.path)) == ino
             nodes.removeValue(forKey: ino)
             lastOpenedGeneration.removeValue(forKey: ino)
-            if byPath[ByteName(node.path)] == ino {
-                byPath.removeValue(forKey: ByteName(node.path))
-                return node
-            }
-            return nil
+            return wasCurrent ? node : nil
         }
         nodes[ino] = node
         return nil
