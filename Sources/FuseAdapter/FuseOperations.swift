@@ -208,18 +208,24 @@ func makeOperations() -> fuse_lowlevel_ops {
         let fs = context(req).fs
         let copy = FileInfo(info: fi!.pointee)
         withMetadata(req, OpTrace(.opendir, inode: UInt64(ino))) { network, req in
-            var info = copy.info
-            info.fh = try fs.openDirectory(UInt64(ino), network: network)
-            info.cache_readdir = 0
-            _ = fuse_reply_open(req, &info)
+            // Answered as soon as readdir can start (after a listing's first page); this
+            // worker then fetches the rest of the listing for the handle.
+            try fs.openDirectory(UInt64(ino), network: network) { handle in
+                var info = copy.info
+                info.fh = handle
+                info.cache_readdir = 0
+                _ = fuse_reply_open(req, &info)
+            }
         }
     }
 
     ops.readdir = { req, ino, size, off, fi in
         let fs = context(req).fs
-        answering(req, OpTrace(.readdir, inode: UInt64(ino))) {
+        let handle = fi!.pointee.fh
+        // Waits (on a worker) only while the directory's listing has not reached `off` yet.
+        withMetadata(req, OpTrace(.readdir, inode: UInt64(ino))) { network, req in
             // A dirent takes at least 32 bytes: no more entries than fit are made.
-            let entries = try fs.readDirectory(fi!.pointee.fh, from: Int(off), limit: size / 32 + 1)
+            let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 32 + 1, network: network)
             var buffer = [CChar](repeating: 0, count: size)
             let used = try buffer.withUnsafeMutableBufferPointer { out in
                 try DirectoryReply.pack(entries, into: size, entrySize: { fuse_add_direntry(req, nil, 0, $0.name, nil, 0) }) { e, at in
@@ -236,7 +242,7 @@ func makeOperations() -> fuse_lowlevel_ops {
     ops.readdirplus = { req, ino, size, off, fi in
         let fs = context(req).fs
         let handle = fi!.pointee.fh
-        answering(req, OpTrace(.readdirplus, inode: UInt64(ino))) {
+        withMetadata(req, OpTrace(.readdirplus, inode: UInt64(ino))) { network, req in
             // The kernel asks for attributes at offset 0 whether or not anyone wants them, and
             // recent kernels ask for as much as the caller's buffer (~6,000 entries for `find`):
             // each entry sent is an inode we must keep while the kernel holds it. Answering a
@@ -244,7 +250,7 @@ func makeOperations() -> fuse_lowlevel_ops {
             // `ls -l` stats those entries, and the kernel then asks for attributes in full.
             let size = off == 0 ? min(size, DirectoryReply.firstPlusReplyBytes) : size
             // A direntplus takes at least 152 bytes (entry_out + dirent): no more are made.
-            let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 152 + 1)
+            let entries = try fs.readDirectory(handle, from: Int(off), limit: size / 152 + 1, network: network)
             let sizes = entries.map { fuse_add_direntry_plus(req, nil, 0, $0.name, nil, 0) }
             let fit = DirectoryReply.fitting(sizes, into: size)
             // Counted as lookups only now that these entries are sure to be sent, all at once.

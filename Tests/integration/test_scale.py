@@ -11,12 +11,17 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from scale_server import ScaleServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench", "link"))
+import link  # noqa: E402  (bench/link/link.py: the link model, here only to slow pages down)
 
 DIRS, FILES, WIDE = 20, 10_000, 100_000
 
@@ -134,3 +139,36 @@ def test_a_flood_of_missing_names_stays_bounded(mount, scale):
     for t in threads:
         t.join(timeout=300)
     assert rss_mib(m.pid) - base < 30
+
+
+def test_the_first_entries_of_a_wide_directory_come_before_its_last_page(mount, wide, tmp_path):
+    """readdir hands out a listing's settled entries as its pages arrive (docs/architecture.md,
+    "Listings as they arrive"): through a link where every page costs 20 ms, the first entry of
+    a 100,000-entry directory (100 pages) must reach the reader while most pages are still to
+    come, and the whole must still be exact, in byte order, each name once."""
+    proxy = link.LinkProxy(wide.port, ttfb_ms=20, workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    try:
+        m = mount("wide-bucket", endpoint=proxy.url)
+        os.stat(m.p("wide"))
+        wide.reset_counts()
+        t0 = time.monotonic()
+        with os.scandir(m.p("wide")) as it:
+            first = next(it).name
+            t_first = time.monotonic() - t0
+            pages_then = wide.counts["list"]
+            names = [first] + [e.name for e in it]
+        t_all = time.monotonic() - t0
+        pages = wide.counts["list"]
+    finally:
+        proxy.stop()
+    print(f"first entry after {t_first * 1000:.0f} ms ({pages_then} of {pages} pages), all {len(names)} after "
+          f"{t_all * 1000:.0f} ms")
+    assert pages >= 100, f"the listing took {pages} pages"
+    assert pages_then <= pages // 4, f"the first entry came after {pages_then} of {pages} pages"
+    assert t_first < t_all / 4, (t_first, t_all)
+    assert len(names) == WIDE and len(set(names)) == WIDE
+    assert names == sorted(names, key=lambda n: n.encode()), "not in byte order"

@@ -59,7 +59,8 @@ public struct DirectoryListing: Sendable {
         self = builder.build()
     }
 
-    private init(names: [String], entries: [Entry], shadowedFiles: [String]) {
+    /// Entries already in byte order of names, each name once (`ListingStream`).
+    init(names: [String], entries: [Entry], shadowedFiles: [String]) {
         self.names = names
         self.entries = entries
         self.shadowedFiles = shadowedFiles
@@ -99,6 +100,11 @@ public struct DirectoryListing: Sendable {
                     files[ByteName(rel)] = page.metadataComplete ? .file(FileRecord(item)) : .unsizedFile
                 }
             }
+        }
+
+        /// One entry, already relative to the prefix and representable.
+        mutating func add(_ name: ByteName, _ entry: Entry) {
+            if entry == .directory { dirs.insert(name) } else { files[name] = entry }
         }
 
         public func build() -> DirectoryListing {

@@ -3,49 +3,144 @@ import StorageClient
 /// Directories: listings (fetched once, shared by every handle, cached for `list_ttl`),
 /// readdir, readdirplus, listing ahead, and the sizes Firebase v0 listings leave out.
 extension Filesystem {
-    /// Lists a directory (from cache when fresh) and pins its snapshot for readdir offsets. The
-    /// snapshot is shared with the listing cache and other handles: a handle costs a
-    /// reference, not a copy of the directory (a local user may open many).
-    public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
+    /// Opens a directory: from its cached listing when fresh, else as its listing arrives
+    /// (docs/architecture.md, "Listings as they arrive"). `whenOpen` gets the handle exactly
+    /// once, as soon as readdir can start: at once for a cached listing or one already under
+    /// way, after the first page for one this call fetches; the call then goes on fetching the
+    /// rest on this thread and returns when the listing is whole. It throws only before
+    /// `whenOpen` (a failure later reaches the handle's readdir). A listing is shared, never
+    /// copied, by every handle on it: a local user opening a directory many times costs one
+    /// listing.
+    public func openDirectory(_ inode: UInt64, network: Network = .allowed,
+                              whenOpen: (UInt64) -> Void) throws(FilesystemError) {
         let path = try directoryPath(inode)
-        let snapshot = try fullListing(path, network: network)
-        prefetchListings(under: path, snapshot.listing)
-        listings.withLock { $0.pin(ByteName(path), snapshot) }
-        return handles.withLock { $0.add(.directory(path: path, inode: inode, snapshot: snapshot)) }
+        var cached = freshSnapshot(path)
+        if cached == nil, health.outage != nil { cached = try fullListing(path, network: network) }
+        if let snapshot = cached {
+            prefetchListings(under: path, snapshot.listing)
+            whenOpen(addDirectoryHandle(path, inode, .snapshot(snapshot)))
+            return
+        }
+        let dir = ByteName(path)
+        guard case .allowed(let isCancelled) = network else {
+            // On a FUSE thread: a listing under way that has its first page can be read now.
+            guard let running = listingFlights.withLock({ $0[dir] }), running.hasStarted else {
+                throw FilesystemError(.wouldBlock, "listing \(path) needs the bucket")
+            }
+            return attach(running, path, inode, whenOpen)
+        }
+        let (stream, mine) = listingFlights.withLock { f -> (ListingStream, Bool) in
+            if let running = f[dir] { return (running, false) }
+            let created = ListingStream(prefix: listingPrefix(of: path))
+            f[dir] = created
+            return (created, true)
+        }
+        if !mine {
+            guard try stream.waitForStart(isCancelled: isCancelled) else {
+                throw FilesystemError(.storage(.cancelled), "listing of \(path) interrupted")
+            }
+            return attach(stream, path, inode, whenOpen)
+        }
+        // This call fetches. The opener's interruption may end the listing until it has its
+        // handle; after that its request is answered, and the listing goes on for the handle.
+        let caller = CallerCancellation(isCancelled)
+        var opened = false
+        let result = withoutActuallyEscaping(whenOpen) { whenOpen in
+            runListing(path, stream, isCancelled: caller.check) { [self] in
+                opened = true
+                caller.detach()
+                _ = stream.listChildrenWhenDone()
+                whenOpen(addDirectoryHandle(path, inode, .stream(stream)))
+            }
+        }
+        if !opened {
+            let snapshot = try result.get()
+            prefetchListings(under: path, snapshot.listing)
+            whenOpen(addDirectoryHandle(path, inode, .snapshot(snapshot)))
+        }
+    }
+
+    /// Opens a directory whose listing is whole when this returns (tests, tools).
+    public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
+        var handle: UInt64 = 0
+        try openDirectory(inode, network: network) { handle = $0 }
+        if case .directory(_, _, .stream(let stream))? = handles.withLock({ $0.open[handle] }) { _ = stream.wait() }
+        return handle
+    }
+
+    private func attach(_ stream: ListingStream, _ path: String, _ inode: UInt64, _ whenOpen: (UInt64) -> Void) {
+        if let snapshot = stream.snapshot {
+            prefetchListings(under: path, snapshot.listing)
+            return whenOpen(addDirectoryHandle(path, inode, .snapshot(snapshot)))
+        }
+        if stream.listChildrenWhenDone(), let snapshot = stream.snapshot { prefetchListings(under: path, snapshot.listing) }
+        whenOpen(addDirectoryHandle(path, inode, .stream(stream)))
+    }
+
+    private func addDirectoryHandle(_ path: String, _ inode: UInt64, _ source: DirectorySource) -> UInt64 {
+        listings.withLock { l in
+            if case .snapshot(let s) = source { l.pin(ByteName(path), s) } else { l.pin(ByteName(path), nil) }
+        }
+        return handles.withLock { $0.add(.directory(path: path, inode: inode, source: source)) }
     }
 
     /// At most `limit` entries of an open directory from `offset` on (offsets are positions in
-    /// the snapshot, `.` and `..` first). Work is proportional to the entries returned.
-    public func readDirectory(_ handle: UInt64, from offset: Int, limit: Int = Int.max) throws(FilesystemError) -> [DirectoryEntry] {
-        let (path, inode, snapshot) = try directorySnapshot(handle)
-        let names = snapshot.listing.names
+    /// the listing, `.` and `..` first). Work is proportional to the entries returned. While
+    /// the listing is arriving, what is settled is returned; with `Network.never`, `.wouldBlock`
+    /// when nothing is yet (the adapter asks again from a worker, which waits).
+    public func readDirectory(_ handle: UInt64, from offset: Int, limit: Int = Int.max,
+                              network: Network = .allowed) throws(FilesystemError) -> [DirectoryEntry] {
+        let (path, inode, source) = try directorySource(handle)
         let start = max(0, offset)
-        guard start < names.count + 2 else { return [] }
-        let end = start + min(names.count + 2 - start, max(0, limit))
-        guard start < end else { return [] }
-        var out: [DirectoryEntry] = []
-        out.reserveCapacity(end - start)
-        var paths: [ByteName] = []
-        for i in start..<end where i >= 2 { paths.append(ByteName(Self.join(path, names[i - 2]))) }
-        let parentPath = ByteName(Self.split(path).parent)
-        let (known, parent) = table.withLock { t in (paths.map { t.inode(of: $0) }, path.isEmpty ? inode : t.inode(of: parentPath)) }
-        for i in start..<end {
-            if i < 2 {
-                // `..` is the parent (the root's own parent is itself), as a directory's
-                // `..` should be for tools that compare inode numbers.
-                out.append(DirectoryEntry(name: i == 0 ? "." : "..", inode: i == 0 ? inode : parent ?? inode, kind: .directory,
-                                          nextOffset: i + 1))
-                continue
+        let wanted = max(0, limit)
+        var listed: [(String, DirectoryListing.Entry)] = []
+        switch source {
+        case .snapshot(let snapshot):
+            let names = snapshot.listing.names
+            let from = max(0, start - 2)
+            if from < names.count {
+                let n = min(names.count - from, max(0, wanted - max(0, 2 - start)))
+                listed = (from..<(from + n)).map { (names[$0], snapshot.listing.entries[$0]) }
             }
+        case .stream(let stream):
+            let dots = max(0, 2 - start)
+            if wanted > dots {
+                let waits: Bool
+                let isCancelled: (@Sendable () -> Bool)?
+                switch network {
+                case .never: (waits, isCancelled) = (false, nil)
+                case .allowed(let c): (waits, isCancelled) = (dots == 0, c)
+                }
+                if let got = try stream.entries(from: max(0, start - 2), limit: wanted - dots, wait: waits, isCancelled: isCancelled) {
+                    listed = got
+                } else if dots == 0 {
+                    throw FilesystemError(.wouldBlock, "the listing of \(path) has not got there yet")
+                }
+            }
+        }
+        var out: [DirectoryEntry] = []
+        out.reserveCapacity(listed.count + 2)
+        if start < 2 && wanted > 0 {
+            // `..` is the parent (the root's own parent is itself), as a directory's `..`
+            // should be for tools that compare inode numbers.
+            let parent = path.isEmpty ? inode : table.withLock { $0.inode(of: ByteName(Self.split(path).parent)) } ?? inode
+            for i in start..<min(2, start + wanted) {
+                out.append(DirectoryEntry(name: i == 0 ? "." : "..", inode: i == 0 ? inode : parent, kind: .directory,
+                                          nextOffset: i + 1))
+            }
+        }
+        let paths = listed.map { ByteName(Self.join(path, $0.0)) }
+        let known = table.withLock { t in paths.map { t.inode(of: $0) } }
+        var next = max(2, start)
+        for (k, (name, entry)) in listed.enumerated() {
             let kind: FileAttributes.Kind
-            switch snapshot.listing.entries[i - 2] {
+            switch entry {
             case .directory: kind = .directory
             case .file(let r): kind = isSymlink(r) ? .symlink : .file
             case .unsizedFile: kind = .file
             }
-            let k = i - max(2, start)
-            out.append(DirectoryEntry(name: names[i - 2], inode: known[k] ?? Self.inodeNumber(paths[k].string), kind: kind,
-                                      nextOffset: i + 1))
+            next += 1
+            out.append(DirectoryEntry(name: name, inode: known[k] ?? Self.inodeNumber(paths[k].string), kind: kind, nextOffset: next))
         }
         return out
     }
@@ -57,14 +152,14 @@ extension Filesystem {
     /// listings): the kernel gets the name alone and looks it up if it needs more, so no
     /// reference is made that nobody asked for.
     public func lookupListed(_ handle: UInt64, offsets: Range<Int>) throws(FilesystemError) -> [FileAttributes?] {
-        let (path, _, snapshot) = try directorySnapshot(handle)
-        let listing = snapshot.listing
+        let (path, _, source) = try directorySource(handle)
         let t = now()
         var wanted: [(Int, String, Node.Kind)] = []
         wanted.reserveCapacity(offsets.count)
-        for offset in offsets where offset >= 2 && offset - 2 < listing.count {
-            let childPath = Self.join(path, listing.names[offset - 2])
-            switch listing.entries[offset - 2] {
+        for offset in offsets where offset >= 2 {
+            guard let (name, entry) = source.entry(at: offset - 2) else { continue }
+            let childPath = Self.join(path, name)
+            switch entry {
             case .directory: wanted.append((offset, childPath, .directory))
             case .file(let r): wanted.append((offset, childPath, .file(r)))
             case .unsizedFile:
@@ -73,10 +168,10 @@ extension Filesystem {
                 }
             }
         }
+        let fetched = source.fetched ?? t
         let registered = table.withLock { tb in
             wanted.map { (offset, childPath, kind) in
-                (offset, tb.upsert(path: childPath, kind: kind, at: snapshot.fetched > -.infinity ? snapshot.fetched : t,
-                                   countLookup: true))
+                (offset, tb.upsert(path: childPath, kind: kind, at: fetched > -.infinity ? fetched : t, countLookup: true))
             }
         }
         var out = [FileAttributes?](repeating: nil, count: offsets.count)
@@ -89,11 +184,11 @@ extension Filesystem {
         try lookupListed(handle, offsets: offset..<(offset + 1))[0]
     }
 
-    func directorySnapshot(_ handle: UInt64) throws(FilesystemError) -> (String, UInt64, ListingSnapshot) {
-        guard case .directory(let path, let inode, let snapshot)? = handles.withLock({ $0.open[handle] }) else {
+    func directorySource(_ handle: UInt64) throws(FilesystemError) -> (String, UInt64, DirectorySource) {
+        guard case .directory(let path, let inode, let source)? = handles.withLock({ $0.open[handle] }) else {
             throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
         }
-        return (path, inode, snapshot)
+        return (path, inode, source)
     }
 
     /// The last listing of a directory, however old (for outages), and when it was fetched.
@@ -125,7 +220,7 @@ extension Filesystem {
         // One listing of a directory at a time: later askers wait for the one under way.
         let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
             if let running = f[ByteName(dirPath)] { return (running, false) }
-            let created = ListingFlight()
+            let created = ListingFlight(prefix: listingPrefix(of: dirPath))
             f[ByteName(dirPath)] = created
             return (created, true)
         }
@@ -135,11 +230,20 @@ extension Filesystem {
             }
             return try shared.get()
         }
+        return try runListing(dirPath, flight, isCancelled: isCancelled, firstPage: nil).get()
+    }
+
+    /// Fetches a listing into its `stream` (registered in `listingFlights` by the caller),
+    /// calling `firstPage` once the first page is in it, then ends the flight.
+    func runListing(_ dirPath: String, _ stream: ListingStream, isCancelled: (@Sendable () -> Bool)?,
+                    firstPage: (() -> Void)?) -> Result<ListingSnapshot, FilesystemError> {
         let result: Result<ListingSnapshot, FilesystemError>
-        do throws(FilesystemError) { result = .success(try fetchListing(dirPath, isCancelled: isCancelled)) } catch { result = .failure(error) }
+        do throws(FilesystemError) {
+            result = .success(try fetchListing(dirPath, isCancelled: isCancelled, into: stream, firstPage: firstPage))
+        } catch { result = .failure(error) }
         listingFlights.withLock { _ = $0.removeValue(forKey: ByteName(dirPath)) }
-        flight.finish(result)
-        return try result.get()
+        if stream.finish(result), case .success(let snapshot) = result { prefetchListings(under: dirPath, snapshot.listing) }
+        return result
     }
 
     /// After a directory is opened, its sub-directories are listed ahead on a few threads of
@@ -171,19 +275,23 @@ extension Filesystem {
 
     /// All pages of a directory. `isCancelled` is the caller's: an interrupted `ls` ends the
     /// listing (others waiting on it then get the interruption too and ask again).
-    func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> ListingSnapshot {
+    func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?, into stream: ListingStream? = nil,
+                      firstPage: (() -> Void)? = nil) throws(FilesystemError) -> ListingSnapshot {
         let prefix = listingPrefix(of: dirPath)
         let started = now()
-        var builder = DirectoryListing.Builder(prefix: prefix)
+        let stream = stream ?? ListingStream(prefix: prefix)
         var token: String? = nil
         var seenTokens = Set<String>()
         var entries = 0
+        var pages = 0
         do throws(StorageError) {
             repeat {
                 let page = try store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
-                builder.add(page)
                 entries += page.items.count + page.prefixes.count
                 token = page.nextPageToken
+                stream.add(page, last: token == nil)
+                if pages == 0 { firstPage?() }
+                pages += 1
                 // A hostile or broken server must not hold `ls` forever, nor fill memory.
                 if let t = token, !seenTokens.insert(t).inserted {
                     throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): the server repeated a page token (the listing loops)")
@@ -202,7 +310,7 @@ extension Filesystem {
             Log.warn("listing failed", ["op": "readdir", "prefix": prefix, "error": error.message])
             throw FilesystemError(error)
         }
-        return keepListing(dirPath, builder.build(), fetched: started)
+        return keepListing(dirPath, stream.listing(), fetched: started)
     }
 
     /// A whole listing just fetched: logged shadows, cached for list_ttl (unless a newer one
@@ -336,5 +444,27 @@ extension Filesystem {
     }
 }
 
-/// A directory listing under way, which later askers wait for.
-typealias ListingFlight = Awaited<Result<ListingSnapshot, FilesystemError>>
+/// A directory listing under way, which later askers wait for and open handles read as it
+/// arrives.
+typealias ListingFlight = ListingStream
+
+/// What an open directory handle reads: a whole listing, or one still arriving.
+enum DirectorySource: Sendable {
+    case snapshot(ListingSnapshot)
+    case stream(ListingStream)
+
+    func entry(at index: Int) -> (String, DirectoryListing.Entry)? {
+        switch self {
+        case .snapshot(let s): return index < s.listing.count ? (s.listing.names[index], s.listing.entries[index]) : nil
+        case .stream(let st): return st.entry(at: index)
+        }
+    }
+
+    /// When the listing's first page was asked for (nil while it is arriving).
+    var fetched: Double? {
+        switch self {
+        case .snapshot(let s): return s.fetched
+        case .stream(let st): return st.snapshot?.fetched
+        }
+    }
+}

@@ -152,7 +152,7 @@ struct OpenFile {
 struct Handles {
     enum Open {
         case file(OpenFile)
-        case directory(path: String, inode: UInt64, snapshot: ListingSnapshot)
+        case directory(path: String, inode: UInt64, source: DirectorySource)
     }
 
     var open: [UInt64: Open] = [:]

@@ -42,10 +42,17 @@ struct ListingCache {
     /// for the listings a walker opens, so fetching ahead never evicts what is in use).
     var hasRoomForPrefetch: Bool { entryCount < capacity * 3 / 4 }
 
-    mutating func pin(_ dir: ByteName, _ snapshot: ListingSnapshot) {
+    /// A handle is open on `dir`, reading `snapshot` (nil: a listing still arriving, which
+    /// `store` pins when it is whole).
+    mutating func pin(_ dir: ByteName, _ snapshot: ListingSnapshot?) {
         let count = (pinned[dir]?.count ?? 0) + 1
-        let newest = pinned[dir]?.snapshot.map { $0.fetched > snapshot.fetched ? $0 : snapshot } ?? snapshot
-        pinned[dir] = (newest, count)
+        pinned[dir] = (newest(pinned[dir]?.snapshot, snapshot), count)
+    }
+
+    private func newest(_ a: ListingSnapshot?, _ b: ListingSnapshot?) -> ListingSnapshot? {
+        guard let a else { return b }
+        guard let b else { return a }
+        return a.fetched > b.fetched ? a : b
     }
 
     mutating func unpin(_ dir: ByteName) {
@@ -54,6 +61,7 @@ struct ListingCache {
     }
 
     mutating func store(_ dir: ByteName, _ snapshot: ListingSnapshot) {
+        if let p = pinned[dir] { pinned[dir] = (newest(p.snapshot, snapshot), p.count) }
         if let old = listings.removeValue(forKey: dir) { entryCount -= old.snapshot.listing.count }
         // A listing larger than the whole budget is not kept (its handles still have it).
         guard snapshot.listing.count <= capacity else { return }
