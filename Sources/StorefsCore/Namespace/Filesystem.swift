@@ -281,11 +281,8 @@ public final class Filesystem: Sendable {
         let key = ByteName(path)
         if let (listing, fetched) = freshListing(parentPath) {
             if let index = listing.index(of: name) {
-                switch listing.entries[index] {
-                case .directory: return (.directory, fetched)
-                case .file(let r): return (.file(r), fetched)
-                case .unsizedFile: return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
-                }
+                if let kind = listing.entries[index].nodeKind { return (kind, fetched) }
+                return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
             }
             // A listing says "absent" for `negative_ttl` only, as a missing name does: a name
             // that appeared since is found by a probe (README, "Namespace semantics").
@@ -324,11 +321,9 @@ public final class Filesystem: Sendable {
                 // The page landed first (its request went out on a warm connection while the
                 // probe's may still be opening theirs): it answers as well as the probe would.
                 if let (listing, fetched) = freshListing(parentPath), let index = listing.index(of: name) {
-                    switch listing.entries[index] {
-                    case .directory: return .success((.directory, fetched))
-                    case .file(let r) where skipInode == nil: return .success((.file(r), fetched))
-                    default: return nil
-                    }
+                    // A refresh asks the bucket about a file: its own record is what is stale.
+                    guard let kind = listing.entries[index].nodeKind, skipInode == nil || kind == .directory else { return nil }
+                    return .success((kind, fetched))
                 }
                 return firstPageAnswer(parentPath, name: name, refreshing: skipInode != nil)
             }) {
@@ -375,12 +370,8 @@ public final class Filesystem: Sendable {
             }
         }
         if let (listing, fetched) = staleListing(parentPath) {
-            switch listing[name: name] {
-            case .directory?: return .success((.directory, fetched))
-            case .file(let r)?: return .success((.file(r), fetched))
-            case .unsizedFile?: return nil
-            case nil: return .failure(FilesystemError(.noEntry, "no \(path) (as last listed)"))
-            }
+            guard let entry = listing[name: name] else { return .failure(FilesystemError(.noEntry, "no \(path) (as last listed)")) }
+            return entry.nodeKind.map { .success(($0, fetched)) }
         }
         return nil
     }

@@ -139,3 +139,15 @@ extension Node.Kind {
         }
     }
 }
+
+extension DirectoryListing.Entry {
+    /// What a listing says a name is; nil for a file listed without its size (Firebase v0),
+    /// which a metadata GET must complete.
+    var nodeKind: Node.Kind? {
+        switch self {
+        case .directory: return .directory
+        case .file(let r): return .file(r)
+        case .unsizedFile: return nil
+        }
+    }
+}
