@@ -244,9 +244,10 @@ public final class BlockReader: Sendable {
         return Int64(n)
     }
 
-    /// Lets go of finished read-ahead nobody has read yet (memory budget pressure).
-    private func dropFinished() {
-        for table in tables.withLock({ $0.values.map(\.table) }) { table.dropFinished() }
+    /// Lets go of finished read-ahead nobody has read yet whose cache copy is made or skipped
+    /// (memory budget pressure): only that frees memory (`FlightTable.dropStored`).
+    private func dropStored() {
+        for table in tables.withLock({ $0.values.map(\.table) }) { table.dropStored() }
     }
 
     /// Serves the read, downloading what is missing. `observed` is true when `readCached`
@@ -288,6 +289,9 @@ public final class BlockReader: Sendable {
         var fromCache = false
         var pos = offset
         let end = offset + Int64(dst.count)
+        // Where the cache was looked at again after a miss: once per position, so a block that
+        // is indexed but cannot be read (its file closed, a failed disk read) is downloaded.
+        var lookedAgain: Int64 = -1
         while pos < end {
             if let cached = stream.cached {
                 let n = cached.cachedBytes(from: pos, upTo: end)
@@ -299,7 +303,11 @@ public final class BlockReader: Sendable {
             }
             let block = Int(pos / Int64(blockSize))
             let lastBlock = Int((end - 1) / Int64(blockSize))
-            let flight = try flightFor(stream, block: block, through: lastBlock, isCancelled: isCancelled)
+            guard let flight = try flightFor(stream, block: block, through: lastBlock, mayFindCached: lookedAgain != pos,
+                                             isCancelled: isCancelled) else {
+                lookedAgain = pos  // its cache copy was made since the look above: read it from there
+                continue
+            }
             // Ours to run: a demand download we made, or read-ahead still queued (claimed here
             // rather than waited for behind other files' downloads on the prefetch threads).
             let mine = flight.claim()
@@ -338,22 +346,33 @@ public final class BlockReader: Sendable {
     }
 
     /// The flight that will bring `block`: an existing one, or a new demand download of the
-    /// run of missing blocks from `block` through at most `lastBlock`.
-    private func flightFor(_ stream: Stream, block: Int, through lastBlock: Int,
-                           isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Flight {
+    /// run of missing blocks from `block` through at most `lastBlock`. Nil (only when
+    /// `mayFindCached`) if `block` turned out to be cached: the caller reads it from there.
+    private func flightFor(_ stream: Stream, block: Int, through lastBlock: Int, mayFindCached: Bool,
+                           isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Flight? {
         let meta = stream.meta
         if let existing = stream.flights.flight(for: block) { return existing }
+        // The caller missed the cache before it looked here: a download whose cache copy ended
+        // in between has left the table (a flight leaves it only once its bytes are cached or
+        // will never be). Looking at the cache after the table closes that gap; misses only.
+        func landed() -> Bool { mayFindCached && stream.cached?.isCached(block) == true }
+        if landed() { return nil }
         if let outage = health.outage { throw outage }
         var last = block
-        while last < lastBlock, !(stream.cached?.isCached(last + 1) ?? false), stream.flights.flight(for: last + 1) == nil {
+        while last < lastBlock, stream.flights.flight(for: last + 1) == nil, !(stream.cached?.isCached(last + 1) ?? false) {
             last += 1
         }
         let start = Int64(block) * Int64(blockSize)
         let length = Int(min(meta.size, Int64(last + 1) * Int64(blockSize)) - start)
-        // Finished read-ahead nobody has read yet gives way to a reader (with the cache on it
-        // is gone already; with it off, it could hold the whole budget, even this file's).
-        guard budget.acquire(Int64(length), isCancelled: isCancelled, makeRoom: { self.dropFinished() }) else {
+        // Finished read-ahead nobody has read yet gives way to a reader once its cache copy is
+        // made (with the cache off at once: it could hold the whole budget, even this file's).
+        guard budget.acquire(Int64(length), isCancelled: isCancelled, makeRoom: { self.dropStored() }) else {
             throw StorageError(.cancelled, "read interrupted while waiting for memory")
+        }
+        // Waiting for room, the reader may have let the block's cache copy land.
+        if landed() {
+            budget.release(Int64(length))
+            return nil
         }
         let flight = newFlight(first: block, last: last, start: start, length: length)
         if let raced = stream.flights.register(flight, orExistingFor: block) { return raced }
@@ -370,8 +389,11 @@ public final class BlockReader: Sendable {
         let first = Int(range.lowerBound / Int64(blockSize))
         let last = Int((range.upperBound - 1) / Int64(blockSize))
         let perPart = max(1, Int(transfers.partSize / Int64(blockSize)))
-        let cachedMask = stream.cached?.cachedMask(first...last) ?? [Bool](repeating: false, count: last - first + 1)
+        // The flight table first, then the cache: a flight leaves the table only once its bytes
+        // are cached (or will never be), so a block found in neither is really missing. The
+        // other order could miss a part whose cache copy ended in between and fetch it again.
         let comingMask = stream.flights.coveredMask(first...last)
+        let cachedMask = stream.cached?.cachedMask(first...last) ?? [Bool](repeating: false, count: last - first + 1)
         func cached(_ b: Int) -> Bool { cachedMask[b - first] }
         func taken(_ b: Int) -> Bool { cachedMask[b - first] || comingMask[b - first] }
         var b = first
@@ -397,7 +419,7 @@ public final class BlockReader: Sendable {
             let start = Int64(b) * Int64(blockSize)
             let length = Int(min(meta.size, Int64(end + 1) * Int64(blockSize)) - start)
             if !budget.tryAcquire(Int64(length)) {
-                dropFinished()
+                dropStored()
                 guard budget.tryAcquire(Int64(length)) else { return start }
             }
             let flight = newFlight(first: b, last: end, start: start, length: length)
@@ -476,6 +498,8 @@ public final class BlockReader: Sendable {
                 flight.finish(outcome)
                 if case .success = outcome, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
                     stream.flights.forget(flight)  // readers take the bytes from the cache
+                } else if flight.markStored() {
+                    stream.flights.forget(flight)  // its cache copy is made: memory may let it go
                 }
                 return true
             }
@@ -720,9 +744,21 @@ final class FlightTable: Sendable {
     /// Its cache copy is made (or will never be).
     func stored(_ flight: Flight) { pendingStores.withLock { $0.removeAll { $0 === flight } } }
 
+    /// Lets go of every finished flight (the object was found wrong, or closed by all).
     func dropFinished() {
         entries.withLock { e in
             for flight in e.flights where flight.finished != nil { e.remove(flight) }
+        }
+    }
+
+    /// Lets go of the finished flights whose cache copy is made or skipped (memory runs short).
+    /// One that waits for its cache write stays: the thread that writes it holds it (and its
+    /// budget) until the write ends, when it leaves by itself if its bytes are cached. Letting
+    /// it go freed nothing and left its bytes neither here nor in the cache yet, so the
+    /// reader right behind fetched them again (test_link.py, a loaded 2-core machine).
+    func dropStored() {
+        entries.withLock { e in
+            for flight in e.flights where flight.isFinishedAndStored { e.remove(flight) }
         }
     }
 }

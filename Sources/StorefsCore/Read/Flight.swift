@@ -69,6 +69,15 @@ final class Flight: @unchecked Sendable {
         return outcome
     }
 
+    /// Finished, and its cache copy made (or skipped): letting it go frees its buffer. Until
+    /// then the thread that writes the copy holds the flight, so letting it go would free
+    /// nothing, only hide bytes that are not in the cache yet (`FlightTable.dropStored`).
+    var isFinishedAndStored: Bool {
+        condition.lock()
+        defer { condition.unlock() }
+        return outcome != nil && stored
+    }
+
     /// A reader copied the last block. True when the disk copy is done too, so the flight
     /// can go: until then it must stay findable, or read-ahead would fetch the range again.
     func markConsumed() -> Bool {
