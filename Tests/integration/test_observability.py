@@ -75,8 +75,14 @@ def test_json_log_lines_parse_and_carry_the_fields(mount, obucket):
     m = mount(OPS, options=[f"log_file={log}", "log_format=json", "log_level=debug"])
     assert read_whole(m.p("logs/b.txt")) == FILES["logs/b.txt"]
     assert errno_of(os.stat, m.p("logs/missing.txt")) == errno.ENOENT
-    # A line is written just after its reply: wait for the last one.
+    # A line is written just after its reply, by the thread that replied: wait for the
+    # lookup's, and for the reads' (a worker that replied to a read may log after a later
+    # lookup's line went out).
+    def read_bytes_logged() -> int:
+        return sum(l.get("bytes", 0) for l in json_lines(log)
+                   if l.get("msg") == "fuse" and l.get("op") == "read" and l.get("result") == "OK")
     assert wait_for(lambda: [l for l in json_lines(log) if l.get("msg") == "fuse" and l.get("name") == "missing.txt"])
+    assert wait_for(lambda: read_bytes_logged() >= len(FILES["logs/b.txt"])), read_bytes_logged()
     lines = [l for l in json_lines(log) if l.get("msg") == "http" and l.get("kind") == "media"]
     assert lines, open(log).read()
     every = json_lines(log)
