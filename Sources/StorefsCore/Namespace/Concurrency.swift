@@ -19,34 +19,6 @@ public enum Network: Sendable {
     public static let allowed = Network.allowed(isCancelled: nil)
 }
 
-/// A result one thread produces and another waits for, giving up when its caller is interrupted.
-final class Awaited<Value>: @unchecked Sendable {
-    private let condition = NSCondition()
-    private var result: Value?
-
-    func finish(_ r: Value) {
-        condition.lock()
-        result = r
-        condition.broadcast()
-        condition.unlock()
-    }
-
-    /// nil when `isCancelled` said so first (checked every 50 ms).
-    func wait(isCancelled: (@Sendable () -> Bool)? = nil) -> Value? {
-        condition.lock()
-        defer { condition.unlock() }
-        while result == nil {
-            if let isCancelled {
-                if isCancelled() { return nil }
-                _ = condition.wait(until: Date().addingTimeInterval(0.05))
-            } else {
-                condition.wait()
-            }
-        }
-        return result
-    }
-}
-
 /// A caller's cancellation check, handed to work that may outlive the call: once the caller
 /// has left, the work is cancelled and the caller's check (which may read a FUSE request freed
 /// by the caller's reply) is never called again.
@@ -82,9 +54,6 @@ final class CallerCancellation: @unchecked Sendable {
         lock.unlock()
     }
 }
-
-/// The metadata GET of a lookup, made beside its "is it a directory?" list request.
-typealias ProbeResult = Awaited<Result<ObjectMetadata, StorageError>>
 
 /// What a lookup that asks the bucket waits for: its probe's two requests ("is it a
 /// directory?", "what is the object?") and, beside them, its directory's first listing page.

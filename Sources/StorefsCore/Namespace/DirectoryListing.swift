@@ -37,7 +37,10 @@ public struct DirectoryListing: Sendable {
     }
 
     /// The position of `name` in `names`, by binary search on bytes.
-    public func index(of name: String) -> Int? {
+    public func index(of name: String) -> Int? { Self.index(of: name, in: names) }
+
+    /// The position of `name` in `names` (sorted by bytes), by binary search on bytes.
+    static func index(of name: String, in names: [String]) -> Int? {
         var lo = 0, hi = names.count
         while lo < hi {
             let mid = (lo + hi) / 2

@@ -223,7 +223,7 @@ final class ListingStream: @unchecked Sendable {
         var page = found[...]
         if let settled = names.last.map(ByteName.init) {
             while let e = page.first, !(settled < e.name) {
-                if e.entry == .directory, let i = index(of: e.name), entries[i] == .directory {
+                if e.entry == .directory, let i = DirectoryListing.index(of: e.name.string, in: names), entries[i] == .directory {
                     page = page.dropFirst()
                     continue
                 }
@@ -256,16 +256,6 @@ final class ListingStream: @unchecked Sendable {
             merged.append(next)
         }
         pending = merged
-    }
-
-    /// Where a handed-out name is (binary search; handed-out names are sorted).
-    private func index(of name: ByteName) -> Int? {
-        var lo = 0, hi = names.count
-        while lo < hi {
-            let mid = (lo + hi) / 2
-            if ByteName(names[mid]) < name { lo = mid + 1 } else { hi = mid }
-        }
-        return lo < names.count && ByteName(names[lo]) == name ? lo : nil
     }
 
     /// Hands out pending entries from the front while no later page can put anything before
