@@ -26,10 +26,15 @@ public protocol ObjectStore: Sendable {
     /// Whether a listing's items carry sizes and generations (GCS JSON; not Firebase v0,
     /// whose listings give names only, docs/protocol.md §2.4).
     var listingsCarrySizes: Bool { get }
+    /// Sets the warm connection aside for a request that must go first
+    /// (`HTTPClient.claimIdleConnection`); nil when none is idle or the store has no pool.
+    func claimIdleConnection() -> ConnectionClaim?
 }
 
 extension ObjectStore {
     public var listingsCarrySizes: Bool { true }
+
+    public func claimIdleConnection() -> ConnectionClaim? { nil }
 
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
         try list(prefix: prefix, pageToken: pageToken, isCancelled: nil)

@@ -4,15 +4,19 @@ import Synchronization
 import Testing
 @testable import StorageClient
 
-/// A one-connection-at-a-time HTTP server on 127.0.0.1 that answers every request with what
-/// `answer` writes to the socket (raw bytes: any status line, header or body, right or wrong).
+/// An HTTP server on 127.0.0.1 that answers every request with what `answer` writes to the
+/// socket (raw bytes: any status line, header or body, right or wrong). Each connection carries
+/// one request, or, with `keepAlive`, requests until the client closes it (the socket then
+/// names the connection: open connections have distinct descriptors).
 final class RawHTTPServer: @unchecked Sendable {
     let port: UInt16
     private let listener: Int32
+    private let keepAlive: Bool
     private let answer: @Sendable (Int32, String) -> Void
     private let stopped = Atomic<Bool>(false)
 
-    init(answer: @escaping @Sendable (_ socket: Int32, _ request: String) -> Void) {
+    init(keepAlive: Bool = false, answer: @escaping @Sendable (_ socket: Int32, _ request: String) -> Void) {
+        self.keepAlive = keepAlive
         self.answer = answer
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         var one: Int32 = 1
@@ -37,14 +41,17 @@ final class RawHTTPServer: @unchecked Sendable {
             let c = accept(listener, nil, nil)
             if c < 0 { return }
             Thread { [self] in
-                var request = [UInt8]()
                 var buf = [UInt8](repeating: 0, count: 4096)
-                while !request.suffix(4).elementsEqual("\r\n\r\n".utf8) {
-                    let n = recv(c, &buf, buf.count, 0)
-                    if n <= 0 { break }
-                    request += buf[0..<n]
-                }
-                self.answer(c, String(decoding: request, as: UTF8.self))
+                repeat {
+                    var request = [UInt8]()
+                    while !request.suffix(4).elementsEqual("\r\n\r\n".utf8) {
+                        let n = recv(c, &buf, buf.count, 0)
+                        if n <= 0 { break }
+                        request += buf[0..<n]
+                    }
+                    if request.isEmpty { break }
+                    self.answer(c, String(decoding: request, as: UTF8.self))
+                } while keepAlive
                 close(c)
             }.start()
         }
@@ -185,6 +192,57 @@ final class RawHTTPServer: @unchecked Sendable {
         } else {
             #expect { _ = try get(server, start: 0, count: 100) } throws: { ($0 as? StorageError)?.code == .retryLimitExceeded }
         }
+    }
+}
+
+/// A lookup's directory page takes the warm connection before the lookup's probes can
+/// (docs/architecture.md, "Lookups in one round trip"): the claim is what gives it priority.
+@Suite struct ConnectionClaimTests {
+    /// Each answer names the connection that carried it.
+    static func server() -> RawHTTPServer {
+        RawHTTPServer(keepAlive: true) { c, _ in
+            let body = "connection \(c)"
+            RawHTTPServer.send(c, "HTTP/1.1 200 OK\r\nContent-Length: \(body.utf8.count)\r\n\r\n" + body)
+        }
+    }
+
+    func connection(_ http: HTTPClient, _ server: RawHTTPServer) throws -> String {
+        String(decoding: try http.get(server.url, headers: []).body, as: UTF8.self)
+    }
+
+    @Test func aClaimedConnectionCarriesOnlyTheClaimantsRequest() throws {
+        let server = Self.server()
+        defer { server.stop() }
+        let http = HTTPClient(userAgent: "storefs-test")
+        let warm = try connection(http, server)
+        #expect(try connection(http, server) == warm, "a finished request's connection is reused")
+
+        let claim = try #require(http.claimIdleConnection())
+        #expect(http.claimIdleConnection() == nil, "one connection was idle, and it is claimed")
+        // A request made after the claim, on any thread, opens a connection of its own...
+        let other = try connection(http, server)
+        #expect(other != warm)
+        // ...while the claimant's request, on another thread, takes the warm one.
+        let claimant = Mutex<String?>(nil)
+        let t = Thread {
+            let answer = try? ConnectionClaim.run(claim) { try connection(http, server) }
+            claimant.withLock { $0 = answer }
+        }
+        t.start()
+        let until = Date().addingTimeInterval(10)
+        while claimant.withLock({ $0 }) == nil && Date() < until { Thread.sleep(forTimeInterval: 0.005) }
+        #expect(claimant.withLock { $0 } == warm)
+    }
+
+    @Test func anUnusedClaimGoesBackToThePool() throws {
+        let server = Self.server()
+        defer { server.stop() }
+        let http = HTTPClient(userAgent: "storefs-test")
+        let warm = try connection(http, server)
+        ConnectionClaim.run(http.claimIdleConnection()) {}
+        #expect(try connection(http, server) == warm)
+        do { _ = http.claimIdleConnection() }  // dropped unused
+        #expect(try connection(http, server) == warm)
     }
 }
 

@@ -15,6 +15,8 @@ public final class GCSJSONStore: ObjectStore {
     private var endpoint: String { client.endpoint }
     private let client: AuthorizedHTTP
 
+    public func claimIdleConnection() -> ConnectionClaim? { client.http.claimIdleConnection() }
+
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
         self.bucket = bucket

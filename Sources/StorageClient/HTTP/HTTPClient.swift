@@ -72,12 +72,21 @@ public final class HTTPClient: Sendable {
         try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline, isCancelled: nil, postBody: body)
     }
 
+    /// Takes the warm connection (the handle most recently put back) for a request that must
+    /// not wait for a new connection's set-up, before requests made after it can take it:
+    /// nil when none is idle. The request runs inside `ConnectionClaim.run`.
+    public func claimIdleConnection() -> ConnectionClaim? {
+        guard let box = pool.withLock({ $0.idle.popLast() }) else { return nil }
+        return ConnectionClaim(box.easy, client: self)
+    }
+
     private func checkout() -> CurlEasy {
+        if let claimed = ConnectionClaim.current?.take() { return claimed }
         if let box = pool.withLock({ $0.idle.popLast() }) { return box.easy }
         return CurlEasy()
     }
 
-    private func checkin(_ easy: CurlEasy) {
+    fileprivate func checkin(_ easy: CurlEasy) {
         let box = CurlEasyBox(easy: easy)
         pool.withLock { $0.idle.append(box) }
     }
@@ -242,4 +251,53 @@ public final class HTTPClient: Sendable {
         if let at = authority.lastIndex(of: "@") { authority = authority[authority.index(after: at)...] }
         return String(url[..<r.upperBound]) + authority
     }
+}
+
+/// A warm connection set aside for one piece of work (`HTTPClient.claimIdleConnection`): the
+/// first request made inside `run` takes it, on whatever thread `run` is called. A lookup's
+/// directory page takes the connection the previous request freed this way, while the
+/// lookup's own probes, sent after it, open new ones (docs/architecture.md, "Lookups in one
+/// round trip"). A claim nobody used goes back to the pool.
+public final class ConnectionClaim: @unchecked Sendable {
+    private let lock = NSLock()
+    private var easy: CurlEasy?
+    private let client: HTTPClient
+
+    fileprivate init(_ easy: CurlEasy, client: HTTPClient) {
+        self.easy = easy
+        self.client = client
+    }
+
+    deinit { if let easy { client.checkin(easy) } }
+
+    /// Runs `body` with the claim offered to its first request; an unused claim is given back
+    /// when `body` ends. `claim` may be nil: `body` just runs.
+    public static func run<T, E: Error>(_ claim: ConnectionClaim?, _ body: () throws(E) -> T) throws(E) -> T {
+        guard let claim else { return try body() }
+        let outer = pthread_getspecific(key)
+        pthread_setspecific(key, Unmanaged.passUnretained(claim).toOpaque())
+        defer {
+            pthread_setspecific(key, outer)
+            if let unused = claim.take() { claim.client.checkin(unused) }
+        }
+        return try body()
+    }
+
+    fileprivate static var current: ConnectionClaim? {
+        pthread_getspecific(key).map { Unmanaged<ConnectionClaim>.fromOpaque($0).takeUnretainedValue() }
+    }
+
+    fileprivate func take() -> CurlEasy? {
+        lock.lock()
+        defer { lock.unlock() }
+        let e = easy
+        easy = nil
+        return e
+    }
+
+    private static let key: pthread_key_t = {
+        var key = pthread_key_t()
+        pthread_key_create(&key, nil)
+        return key
+    }()
 }

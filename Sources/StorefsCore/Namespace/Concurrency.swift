@@ -67,24 +67,9 @@ final class LookupRace: @unchecked Sendable {
 
     func finish(metadata r: Result<ObjectMetadata, StorageError>) { land { $0.metadata = r } }
     func finish(hasChildren r: Result<Bool, StorageError>) { land { $0.hasChildren = r } }
-    private var pageSending = false
 
     /// A listing page of the directory was stored.
     func pageLanded() { land { _ in } }
-
-    /// The page's request is about to take a connection.
-    func pageSent() { land { $0.pageSending = true } }
-
-    /// Waits (at most `timeout` seconds) until the page's request is about to take a
-    /// connection: the probe's requests go out after it, so on a new mount the one warm
-    /// connection (the access check's) carries the page, which alone answers for any name it
-    /// reaches, and the probe's wait for new connections is no longer the lookup's.
-    func awaitPageSent(timeout: Double) {
-        let until = Date().addingTimeInterval(timeout)
-        condition.lock()
-        while !pageSending, condition.wait(until: until) {}
-        condition.unlock()
-    }
 
     private func land(_ change: (LookupRace) -> Void) {
         condition.lock()

@@ -349,6 +349,10 @@ extension Filesystem {
         if freshSnapshot(dirPath) != nil || listingFlights.withLock({ $0[dir] != nil }) { return false }
         if let page = firstPages.withLock({ $0.page(dir) }), now() - page.fetched < config.listTTL { return false }
         guard firstPages.withLock({ $0.begin(dir) }) else { return false }
+        // Beside a lookup, the page takes the warm connection now, before the lookup's probes
+        // (sent next) can: they open connections of their own, and on a new mount the page,
+        // which alone answers for every name it reaches, does not wait for a set-up.
+        let claim = race == nil ? nil : store.claimIdleConnection()
         probePool.submit { [self] in
             let started = now()
             var kept: FirstPageCache.Page? = nil
@@ -356,9 +360,10 @@ extension Filesystem {
                 firstPages.withLock { $0.end(dir, kept) }
                 race?.pageLanded()
             }
-            race?.pageSent()
             // No caller waits for it: a failure only means the next lookup asks for itself.
-            guard let page = try? store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil) else { return }
+            guard let page = try? ConnectionClaim.run(claim, { () throws(StorageError) in
+                try store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil)
+            }) else { return }
             kept = firstPage(dirPath, page, fetched: started)
         }
         return true

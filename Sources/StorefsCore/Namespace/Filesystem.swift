@@ -314,7 +314,7 @@ public final class Filesystem: Sendable {
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
         let objectName = objectName(of: path)
         let race = LookupRace()
-        if fetchFirstPage(parentPath, race: race) { race.awaitPageSent(timeout: 0.005) }
+        fetchFirstPage(parentPath, race: race)
         do throws(StorageError) {
             let kind: Node.Kind
             switch try probe(objectName, race: race, isCancelled: isCancelled, orFromPage: { [self] in
