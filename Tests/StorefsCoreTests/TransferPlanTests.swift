@@ -110,21 +110,26 @@ import Testing
         #expect(o.lastSecondRate >= 0.8 * 1200 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
     }
 
-    /// Loopback: the first byte comes within 3 ms, so the count starts at 4, not 16, and stays
-    /// there where more parts bring nothing.
-    @Test func aNearServerStartsWithFewParts() {
-        var plan = TransferPlan(limits: .init(startParts: 16), now: 0)
-        #expect(plan.parts == 16)
+    /// Loopback: the first byte comes within 3 ms, so the count starts at 4, not 16, parts are
+    /// 2 MiB, not 8, and however much more parts seem to pay, at most 8 run at once.
+    @Test func aNearServerStartsWithFewSmallParts() {
+        let limits = TransferPlan.Limits(startParts: 16)
+        var plan = TransferPlan(limits: limits, now: 0)
+        #expect(plan.parts == 16 && plan.partSize == 8 << 20)
         plan.noteWaiting()
         plan.completed(bytes: 2 << 20, seconds: 0.002, firstByte: 0.0003, now: 0.01)
-        #expect(plan.parts == 4)
-        let o = simulate(.init(startParts: 16), perConnection: 1200 * Self.mib, aggregate: 1200 * Self.mib,
-                         ttfb: 0.0002, seconds: 3)
-        #expect(o.plan.parts <= 4, "parts \(o.plan.parts)")
-        // A far server keeps the sixteen.
-        var far = TransferPlan(limits: .init(startParts: 16), now: 0)
+        #expect(plan.parts == 4 && plan.partSize == limits.nearPartSize)
+        let o = simulate(limits, perConnection: 1200 * Self.mib, aggregate: 1200 * Self.mib, ttfb: 0.0002, seconds: 3)
+        #expect(o.plan.parts <= 5 && o.plan.partSize == 2 << 20, "parts \(o.plan.parts) of \(o.plan.partSize)")
+        #expect(o.lastSecondRate >= 0.8 * 1200 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
+        // Where every part more seems to pay (a first byte of 2 ms is a large share of a
+        // 2 MiB part on a fast link), the count stops at 8.
+        let o2 = simulate(limits, perConnection: 400 * Self.mib, aggregate: 4000 * Self.mib, ttfb: 0.0025, seconds: 3)
+        #expect(o2.plan.parts <= limits.nearMaxParts, "parts \(o2.plan.parts)")
+        // A far server keeps the sixteen, and their size.
+        var far = TransferPlan(limits: limits, now: 0)
         far.completed(bytes: 2 << 20, seconds: 0.07, firstByte: 0.030, now: 0.07)
-        #expect(far.parts == 16)
+        #expect(far.parts == 16 && far.partSize == 8 << 20)
     }
 
     /// The read-ahead keeps ahead of its reader (a reader slower than the link, or the daemon's

@@ -42,6 +42,15 @@ struct TransferPlan: Equatable {
         /// instead, and grows from there only if more parts pay.
         var nearFirstByte = 0.003
         var nearStartParts = 4
+        /// Parts start this large near the server (never above `startPartSize`): a first byte
+        /// that comes at once is no reason for large parts, and every byte in flight is a
+        /// resident, page-faulted buffer (loopback, 8 readers: 11% of the daemon's CPU went to
+        /// faulting in 8 MiB parts). They still double where the first byte weighs.
+        var nearPartSize: Int64 = 2 << 20
+        /// And at most this many run at once near the server: there the daemon's CPU sets the
+        /// pace, a step up that seems to pay is the ramp of readers still joining, and each
+        /// part more is buffers to fault in and hold.
+        var nearMaxParts = 8
         /// Shortest epoch, seconds.
         var minEpoch = 0.12
         /// An epoch ends by this many seconds even with few parts done.
@@ -51,6 +60,8 @@ struct TransferPlan: Equatable {
     let limits: Limits
     private(set) var parts: Int
     private(set) var partSize: Int64
+    /// `limits.maxParts`, or `nearMaxParts` once the server is found near.
+    private var maxParts: Int
     /// The best count measured so far and its throughput (bytes/s).
     private(set) var best: (parts: Int, rate: Double)? = nil
     private var slowStart = true
@@ -72,6 +83,7 @@ struct TransferPlan: Equatable {
     init(limits: Limits, now: Double) {
         self.limits = limits
         partSize = limits.startPartSize
+        maxParts = limits.maxParts
         parts = 0
         epochStart = now
         parts = limits.fixedParts ?? 0
@@ -85,7 +97,7 @@ struct TransferPlan: Equatable {
 
     /// `n` within [minParts, min(maxParts, what fits in memory)].
     private func clamp(_ n: Int) -> Int {
-        max(1, min(max(n, limits.minParts), limits.maxParts, memoryParts))
+        max(1, min(max(n, limits.minParts), maxParts, memoryParts))
     }
 
     /// A slot was wanted while every slot was busy: the readers would take more.
@@ -98,6 +110,8 @@ struct TransferPlan: Equatable {
         guard !startJudged else { return }
         startJudged = true
         if limits.fixedParts == nil, firstByte < limits.nearFirstByte {
+            partSize = min(partSize, limits.nearPartSize)
+            maxParts = min(maxParts, max(limits.nearMaxParts, limits.minParts))
             parts = clamp(min(parts, limits.nearStartParts))
         }
     }
