@@ -308,10 +308,21 @@ func makeOperations() -> fuse_lowlevel_ops {
         // Cache hits are answered here: a hop to another thread costs 12–20 µs.
         let buffer = ctx.buffers.take()
         do {
-            if let n = try ctx.fs.readCached(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])) {
-                _ = fuse_reply_buf(req, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+            // Read-ahead that just landed is replied from its download buffer: one copy fewer.
+            // Counted before the reply, so whoever reads the stats after its read returned
+            // finds it counted.
+            var sent = false
+            if let n = try ctx.fs.readCached(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
+                                             send: { bytes in
+                                                 OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: bytes.count)
+                                                 _ = fuse_reply_buf(req, bytes.baseAddress?.assumingMemoryBound(to: CChar.self), bytes.count)
+                                                 sent = true
+                                             }) {
+                if !sent {
+                    OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
+                    _ = fuse_reply_buf(req, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                }
                 ctx.buffers.give(buffer)
-                OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
                 return
             }
         } catch let e as FilesystemError {

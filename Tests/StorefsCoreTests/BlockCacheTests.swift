@@ -329,29 +329,47 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.closeStream(stream)
     }
 
-    @Test func readAheadBuffersAreLetGoOnceTheirBytesAreCached() throws {
-        let (store, bytes, _, reader) = try streaming(size: 32 << 20, cached: true, readAhead: 16 << 20)
+    /// Read-ahead stays in memory once cached until its reader has copied it (no disk read, no
+    /// CRC pass), and not after: a part read to its end goes, and closing the file lets go of
+    /// what was never read.
+    @Test func readAheadIsKeptUntilItsReaderHasItThenLetGo() throws {
+        let (store, bytes, cache, reader) = try streaming(size: 32 << 20, cached: true, readAhead: 16 << 20)
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<2 {
             try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
         }
         reader.finishPendingWork(timeout: 10)
-        // The first window (1..3 MiB) landed in the cache and 2..3 MiB was not read yet: no
-        // memory is held for it, and it is served from the cache (readCached never downloads).
-        #expect(budgetSettles(reader))
-        #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: 2 << 20, into: $0) })
-        #expect(out == Array(bytes[(2 << 20)..<(3 << 20)]))
-        // That read widened the window to 3..11 MiB. Only once it has landed is it in the cache:
-        // reading on at once raced the prefetch threads (lost on a loaded machine).
+        // The first window (1..3 MiB) landed, was written to the cache, and 2..3 MiB is not read
+        // yet: its download buffer is still held, and the next read is served from it.
+        // (held by identity only: a reference here would hold its buffer and budget)
+        let part = try #require(stream.flights.flight(for: (2 << 20) / (16 << 10)).map { f in
+            #expect(f.finished != nil && f.end == 3 << 20)
+            return ObjectIdentifier(f)
+        })
+        let blockCache = try #require(cache)
+        #expect(blockCache.acquire(endpoint: "e", meta: stream.meta).map { c in
+            defer { blockCache.release(c) }
+            return c.cachedBytes(from: 1 << 20, upTo: 3 << 20)
+        } == 2 << 20, "the part's cache copy is made")
+        #expect(reader.budget.inUse >= 2 << 20)
+        var sent: [UInt8] = []
+        var wasSent = false
+        #expect(out.withUnsafeMutableBytes { dst in
+            reader.readCached(stream, at: 2 << 20, into: dst, send: { sent = Array($0) }, sent: &wasSent)
+        })
+        #expect(wasSent && sent == Array(bytes[(2 << 20)..<(3 << 20)]), "served from the download's buffer")
+        #expect(stream.flights.flight(for: (2 << 20) / (16 << 10)).map(ObjectIdentifier.init) != part,
+                "read to its end, the part is let go")
+        // That read widened the window to 3..11 MiB: once landed, every MiB is served.
         reader.finishPendingWork(timeout: 10)
-        #expect(budgetSettles(reader))
         for i in 3..<11 {
             #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: Int64(i) << 20, into: $0) }, "at \(i) MiB")
             #expect(out == Array(bytes[(i << 20)..<((i + 1) << 20)]))
         }
         reader.finishPendingWork(timeout: 10)
         reader.closeStream(stream)
+        #expect(budgetSettles(reader), "read-ahead nobody read is let go at close")
     }
 
     @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {

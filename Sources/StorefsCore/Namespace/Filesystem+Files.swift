@@ -41,11 +41,20 @@ extension Filesystem {
 
     /// Serves a read only if every byte is in the block cache (no network): for the FUSE thread.
     /// nil means "call `read` from a worker"; `read` then knows the read was already noted.
-    public func readCached(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer) throws(FilesystemError) -> Int? {
+    /// `send`, when given, may be handed the bytes in a download's buffer instead of their
+    /// being copied into `buffer`: it must reply from them before it returns.
+    public func readCached(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                           send: ((UnsafeRawBufferPointer) -> Void)? = nil) throws(FilesystemError) -> Int? {
         let file = try openFile(handle)
         guard let window = try clamp(file.meta, offset, buffer) else { return 0 }
-        guard reader.readCached(file.stream, at: offset, into: window) else { return nil }
-        Metrics.shared.cacheRead(hit: true, bytes: window.count)
+        // Counted before a reply goes out (`send` replies).
+        let counted = send.map { send in { (bytes: UnsafeRawBufferPointer) in
+            Metrics.shared.cacheRead(hit: true, bytes: bytes.count)
+            send(bytes)
+        } }
+        var sent = false
+        guard reader.readCached(file.stream, at: offset, into: window, send: counted, sent: &sent) else { return nil }
+        if !sent { Metrics.shared.cacheRead(hit: true, bytes: window.count) }
         return window.count
     }
 

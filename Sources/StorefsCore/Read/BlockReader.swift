@@ -101,15 +101,19 @@ public final class BlockReader: Sendable {
         // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped,
         // up to what memory_limit allows resident.
         buffers = FlightBufferPool(regionSize: max(part, request), keepBytes: Int(config.memoryLimit))
-        requestBuffers = FlightBufferPool(regionSize: request, keepBytes: 8 * request)
+        // Readers' own misses: one a read worker (16) or a prefetch thread running a reader's
+        // part at a time, all counted (in use or free), so the bound must hold them all or a
+        // busy mount unmaps and faults in a region on every miss.
+        requestBuffers = FlightBufferPool(regionSize: request, keepBytes: 32 * request)
     }
 
     /// Read-ahead parts take part-sized regions; demand downloads (at most one FUSE request
     /// plus a block) take small ones. One pool for both let a 16 KiB miss hold a recycled,
     /// fully resident 8 MiB region, so memory was no longer bounded by `memory_limit`.
-    private func newFlight(first: Int, last: Int, start: Int64, length: Int) -> Flight {
+    private func newFlight(first: Int, last: Int, start: Int64, length: Int, readAhead: Bool = false) -> Flight {
         let pool = length <= requestBuffers.regionSize ? requestBuffers : buffers
-        return Flight(firstBlock: first, blockCount: last - first + 1, start: start, length: length, budget: budget, pool: pool)
+        return Flight(firstBlock: first, blockCount: last - first + 1, start: start, length: length, isReadAhead: readAhead,
+                      budget: budget, pool: pool)
     }
 
     /// Prefetch threads start on first use, after the daemon has forked.
@@ -185,6 +189,12 @@ public final class BlockReader: Sendable {
         if let c = stream.cached { cache?.release(c) }
     }
 
+    /// Whether a file still has the object open (its read-ahead may yet be read).
+    private func isOpen(_ stream: Stream) -> Bool {
+        let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
+        return tables.withLock { t in t[key].map { $0.streams > 0 && $0.table === stream.flights } ?? false }
+    }
+
     /// Forgets an object's flight table once no file has it open and no download is left in it.
     private func retireIfIdle(_ stream: Stream) {
         let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
@@ -202,8 +212,11 @@ public final class BlockReader: Sendable {
     }
 
     /// Notes the read for read-ahead and serves it if every block is cached; false on a miss.
-    /// Never touches the network: safe on a FUSE thread.
-    func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
+    /// Never touches the network: safe on a FUSE thread. A read that lies wholly inside one
+    /// finished download is handed to `send` straight from the download's buffer (the reply
+    /// then copies it once, into the kernel) and `sent` is set; otherwise it is copied into `dst`.
+    func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
+                    send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) -> Bool {
         observe(stream, offset: offset, count: dst.count)
         // Taken before anything is copied: while a completing download is checked, the cache
         // may hold its bytes unchecked, and the check may yet find that bytes served were wrong.
@@ -211,6 +224,16 @@ public final class BlockReader: Sendable {
         if stream.hasServedWrong || stream.cached?.isChecking == true { return false }  // `read` decides
         var pos = offset
         let end = offset + Int64(dst.count)
+        if let send, let flight = stream.flights.flight(for: Int(pos / Int64(blockSize))), flight.start <= pos, end <= flight.end,
+           case .success? = flight.finished {
+            // A finished download's buffer never changes (a completing download is checked
+            // before it finishes), so what holds for a copy holds here.
+            let at = Int(pos - flight.start)
+            send(UnsafeRawBufferPointer(rebasing: flight.buffer[at..<(at + dst.count)]))
+            sent = true
+            if end == flight.end, flight.markConsumed() { stream.flights.forget(flight) }
+            return true
+        }
         while pos < end {
             // A sequential reader usually arrives just after its read-ahead landed: it copies
             // from the download's buffer (no disk read, no second CRC pass).
@@ -226,6 +249,12 @@ public final class BlockReader: Sendable {
         // A check began while this copied, or found wrong bytes served: `read` waits for its verdict.
         if let cached = stream.cached, cached.checkEpoch != epoch || cached.isChecking || stream.hasServedWrong { return false }
         return true
+    }
+
+    /// `readCached` that always copies into `dst`.
+    func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer) -> Bool {
+        var sent = false
+        return readCached(stream, at: offset, into: dst, send: nil, sent: &sent)
     }
 
     private func slice(_ dst: UnsafeMutableRawBufferPointer, _ at: Int, _ count: Int) -> UnsafeMutableRawBufferPointer {
@@ -422,7 +451,7 @@ public final class BlockReader: Sendable {
                 dropStored()
                 guard budget.tryAcquire(Int64(length)) else { return start }
             }
-            let flight = newFlight(first: b, last: end, start: start, length: length)
+            let flight = newFlight(first: b, last: end, start: start, length: length, readAhead: true)
             if stream.flights.registerIfFree(flight) {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
@@ -628,6 +657,11 @@ public final class BlockReader: Sendable {
         return .success(())
     }
 
+    /// Writes the flight's cache copy. A reader's own miss is let go once its bytes are cached
+    /// (its reader has them; readers after it take them from the cache). Read-ahead stays until
+    /// its reader has copied it to its end, the file is closed, or memory runs short
+    /// (`dropStored`): the reader then copies from memory, or replies from it, not from the
+    /// cache file with a CRC check of every block, a copy and a checksum pass per byte.
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
         if let cached = stream.cached {
             // The disk write outside the object's check lock, the check under it: never beside
@@ -643,14 +677,13 @@ public final class BlockReader: Sendable {
                 cached.noteServedWrong()
                 return
             }
-            // Once its bytes are in the cache the buffer has done its job: readers take them
-            // from there, so memory holds downloads in progress, not the whole read-ahead window.
-            if cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
+            if !flight.isReadAhead, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
                 stream.flights.forget(flight)
                 return
             }
         }
-        if flight.markStored() { stream.flights.forget(flight) }
+        // Closed by all meanwhile: nobody will read it (the close let go of finished flights).
+        if flight.markStored() || !isOpen(stream) { stream.flights.forget(flight) }
     }
 }
 

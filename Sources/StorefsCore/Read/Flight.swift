@@ -11,6 +11,9 @@ final class Flight: @unchecked Sendable {
     let blockCount: Int
     let start: Int64
     let length: Int
+    /// Scheduled ahead of its reader (not a reader's own miss): kept once cached until the
+    /// reader has copied it (`BlockReader.storeToCache`), even if a reader ran it.
+    let isReadAhead: Bool
     /// Taken from the pool when the download starts (`beginDownload`), so read-ahead queued
     /// behind busy threads holds budget but no memory. Readers use it only after `finish`.
     private(set) var buffer = UnsafeMutableRawBufferPointer(start: nil, count: 0)
@@ -23,11 +26,13 @@ final class Flight: @unchecked Sendable {
 
     private let pool: FlightBufferPool
 
-    init(firstBlock: Int, blockCount: Int, start: Int64, length: Int, budget: MemoryBudget, pool: FlightBufferPool) {
+    init(firstBlock: Int, blockCount: Int, start: Int64, length: Int, isReadAhead: Bool = false,
+         budget: MemoryBudget, pool: FlightBufferPool) {
         self.firstBlock = firstBlock
         self.blockCount = blockCount
         self.start = start
         self.length = length
+        self.isReadAhead = isReadAhead
         self.budget = budget
         self.pool = pool
     }
@@ -122,13 +127,17 @@ final class Flight: @unchecked Sendable {
 /// What is kept is bounded by resident bytes, not by a count of regions: a region is as large
 /// as the largest part, but only the pages a part touched are resident, so counting regions
 /// either kept too few (8 MiB parts in 32 MiB regions: 24 parts in flight re-faulted two
-/// thirds of their pages on every part) or bounded nothing once parts grew.
+/// thirds of their pages on every part) or bounded nothing once parts grew. The bound counts
+/// the regions in use too: with only the free ones counted, free regions up to `memory_limit`
+/// beside parts in flight up to `memory_limit` let 8 readers reach twice that.
 final class FlightBufferPool: @unchecked Sendable {
     let regionSize: Int
-    /// Resident bytes the free regions may hold.
+    /// Resident bytes all regions, in use or free, may hold before a freed one is unmapped.
     private let keepBytes: Int
     private var free: [(region: UnsafeMutableRawPointer, touched: Int)] = []
     private var freeBytes = 0
+    /// Resident bytes of every region mapped here (handed out or free).
+    private var residentBytes = 0
     /// Bytes touched in each region handed out, so a recycled region is counted as what it
     /// holds resident, not as what its current part asked.
     private var touched: [UnsafeMutableRawPointer: Int] = [:]
@@ -152,6 +161,7 @@ final class FlightBufferPool: @unchecked Sendable {
         }
         let released = free
         free.removeAll()
+        residentBytes -= freeBytes
         freeBytes = 0
         lock.unlock()
         for r in released { munmap(r.region, regionSize) }
@@ -159,11 +169,11 @@ final class FlightBufferPool: @unchecked Sendable {
 
     deinit { for r in free { munmap(r.region, regionSize) } }
 
-    /// Resident bytes held by free regions (tests).
-    var keptBytes: Int {
+    /// Resident bytes held by free regions, and by all regions (tests).
+    var keptBytes: (free: Int, all: Int) {
         lock.lock()
         defer { lock.unlock() }
-        return freeBytes
+        return (freeBytes, residentBytes)
     }
 
     func take(_ length: Int) -> UnsafeMutableRawBufferPointer {
@@ -172,7 +182,9 @@ final class FlightBufferPool: @unchecked Sendable {
             lastUse = now()
             if let r = free.popLast() {
                 freeBytes -= r.touched
-                touched[r.region] = max(r.touched, length)
+                let held = max(r.touched, length)
+                residentBytes += held - r.touched
+                touched[r.region] = held
                 lock.unlock()
                 return UnsafeMutableRawBufferPointer(start: r.region, count: length)
             }
@@ -184,6 +196,7 @@ final class FlightBufferPool: @unchecked Sendable {
         if size == regionSize {
             lock.lock()
             touched[p] = length
+            residentBytes += length
             lock.unlock()
         }
         return UnsafeMutableRawBufferPointer(start: p, count: length)
@@ -195,12 +208,13 @@ final class FlightBufferPool: @unchecked Sendable {
             lock.lock()
             lastUse = now()
             let held = touched.removeValue(forKey: p) ?? regionSize
-            if freeBytes + held <= keepBytes {
+            if residentBytes <= keepBytes {
                 free.append((p, held))
                 freeBytes += held
                 lock.unlock()
                 return
             }
+            residentBytes -= held
             lock.unlock()
         }
         munmap(buffer.baseAddress, size)
