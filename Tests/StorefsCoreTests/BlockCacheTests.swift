@@ -334,12 +334,14 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     /// what was never read.
     @Test func readAheadIsKeptUntilItsReaderHasItThenLetGo() throws {
         let (store, bytes, cache, reader) = try streaming(size: 32 << 20, cached: true, readAhead: 16 << 20)
+        store.reportFirstByte(0.0002)  // a near server
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<2 {
             try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
         }
         reader.finishPendingWork(timeout: 10)
+        #expect(reader.transfers.isNear)
         // The first window (1..3 MiB) landed, was written to the cache, and 2..3 MiB is not read
         // yet: its download buffer is still held, and the next read is served from it.
         // (held by identity only: a reference here would hold its buffer and budget)
@@ -370,6 +372,29 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.finishPendingWork(timeout: 10)
         reader.closeStream(stream)
         #expect(budgetSettles(reader), "read-ahead nobody read is let go at close")
+    }
+
+    /// On a far link memory is worth more as parts in flight: read-ahead goes once cached, and
+    /// the reader takes it from the cache.
+    @Test func farFromTheServerReadAheadGoesOnceCached() throws {
+        let (store, bytes, _, reader) = try streaming(size: 32 << 20, cached: true, readAhead: 16 << 20)
+        store.reportFirstByte(0.030)
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        for i in 0..<2 {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+        }
+        reader.finishPendingWork(timeout: 10)
+        #expect(!reader.transfers.isNear)
+        #expect(stream.flights.flight(for: (2 << 20) / (16 << 10)) == nil, "the landed part was kept")
+        #expect(budgetSettles(reader))
+        var wasSent = false
+        #expect(out.withUnsafeMutableBytes { dst in
+            reader.readCached(stream, at: 2 << 20, into: dst, send: { _ in }, sent: &wasSent)
+        })
+        #expect(!wasSent && out == Array(bytes[(2 << 20)..<(3 << 20)]), "read from the cache")
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(stream)
     }
 
     @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {

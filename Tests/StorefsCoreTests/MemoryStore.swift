@@ -23,6 +23,10 @@ final class MemoryStore: ObjectStore {
     /// Makes every media read take this long (to line readers up on one download).
     func delayReads(_ seconds: Double) { delay.withLock { $0 = seconds } }
 
+    /// Each read reports this as its time to first byte (as the HTTP client does): a far server.
+    private let firstByte = Mutex<Double?>(nil)
+    func reportFirstByte(_ seconds: Double) { firstByte.withLock { $0 = seconds } }
+
     private let metadataDelay = Mutex<Double>(0)
     /// Makes every list and metadata request take this long (a slow server), cancellable.
     func delayAll(_ seconds: Double) { metadataDelay.withLock { $0 = seconds } }
@@ -105,6 +109,7 @@ final class MemoryStore: ObjectStore {
             usleep(5_000)
         }
         readBytes.withLock { $0 += buffer.count }
+        if let f = firstByte.withLock({ $0 }) { StorageTelemetry.lastFirstByte = f }
         guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {
             throw StorageError(.generationChanged, "gone", httpStatus: 404)
         }

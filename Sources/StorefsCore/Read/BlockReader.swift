@@ -658,10 +658,12 @@ public final class BlockReader: Sendable {
     }
 
     /// Writes the flight's cache copy. A reader's own miss is let go once its bytes are cached
-    /// (its reader has them; readers after it take them from the cache). Read-ahead stays until
-    /// its reader has copied it to its end, the file is closed, or memory runs short
-    /// (`dropStored`): the reader then copies from memory, or replies from it, not from the
-    /// cache file with a CRC check of every block, a copy and a checksum pass per byte.
+    /// (its reader has them; readers after it take them from the cache). Near the server, where
+    /// the daemon's CPU sets the pace, read-ahead stays until its reader has copied it to its
+    /// end, the file is closed by all, or memory runs short (`dropStored`): the reader then
+    /// copies from memory, or replies from it, not from the cache file with a CRC check of
+    /// every block, a copy and a checksum pass per byte. On a far link the link sets the pace
+    /// and memory is worth more as parts in flight: read-ahead goes once cached there too.
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
         if let cached = stream.cached {
             // The disk write outside the object's check lock, the check under it: never beside
@@ -677,7 +679,7 @@ public final class BlockReader: Sendable {
                 cached.noteServedWrong()
                 return
             }
-            if !flight.isReadAhead, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
+            if !(flight.isReadAhead && transfers.isNear), cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
                 stream.flights.forget(flight)
                 return
             }

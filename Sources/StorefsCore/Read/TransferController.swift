@@ -62,6 +62,9 @@ struct TransferPlan: Equatable {
     private(set) var partSize: Int64
     /// `limits.maxParts`, or `nearMaxParts` once the server is found near.
     private var maxParts: Int
+    /// The mount's first download had its first byte within `nearFirstByte`: the daemon's CPU,
+    /// not the link, sets the pace (whether or not `parallel=` fixes the count).
+    private(set) var isNear = false
     /// The best count measured so far and its throughput (bytes/s).
     private(set) var best: (parts: Int, rate: Double)? = nil
     private var slowStart = true
@@ -109,7 +112,8 @@ struct TransferPlan: Equatable {
     mutating func judgeStart(firstByte: Double) {
         guard !startJudged else { return }
         startJudged = true
-        if limits.fixedParts == nil, firstByte < limits.nearFirstByte {
+        isNear = firstByte < limits.nearFirstByte
+        if limits.fixedParts == nil, isNear {
             partSize = min(partSize, limits.nearPartSize)
             maxParts = min(maxParts, max(limits.nearMaxParts, limits.minParts))
             parts = clamp(min(parts, limits.nearStartParts))
@@ -281,6 +285,8 @@ final class TransferController: Sendable {
     var partSize: Int64 { state.withLock { $0.plan.partSize } }
     /// Both at once, under one lock (every read asks: a FUSE thread's hot path).
     var current: (parts: Int, partSize: Int64) { state.withLock { ($0.plan.parts, $0.plan.partSize) } }
+    /// The server is near (`TransferPlan.isNear`).
+    var isNear: Bool { state.withLock { $0.plan.isNear } }
     /// Parts downloading now.
     var running: Int { state.withLock { $0.running } }
 
