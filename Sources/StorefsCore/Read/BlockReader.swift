@@ -344,7 +344,6 @@ public final class BlockReader: Sendable {
             if flight.finished == nil { transfers.noteReaderWaited() }
             if mine {
                 execute(flight, stream, isCancelled: isCancelled ?? { false }, afterReply: afterReply)
-                if case .success? = flight.finished { transfers.noteFirstByte(StorageTelemetry.lastFirstByte) }
             }
             guard let outcome = flight.wait(isCancelled: isCancelled) else {
                 throw StorageError(.cancelled, "read interrupted")
@@ -500,6 +499,9 @@ public final class BlockReader: Sendable {
             return
         }
         health.noteSuccess()
+        // The mount's first download to land says whether the server is near, before its bytes
+        // are stored (what is kept in memory depends on it).
+        transfers.noteFirstByte(StorageTelemetry.lastFirstByte)
         // Which download completes the object is decided under the object's check lock, one
         // download at a time, and a download that does not complete it finishes (may be read)
         // and is listed as unstored under that lock too: the next one to decide counts it, so
