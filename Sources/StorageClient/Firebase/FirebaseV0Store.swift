@@ -12,8 +12,6 @@ public final class FirebaseV0Store: ObjectStore {
     public var endpoint: String { client.endpoint }
     private let client: AuthorizedHTTP
 
-    public func claimIdleConnection() -> ConnectionClaim? { client.http.claimIdleConnection() }
-
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
         self.bucket = bucket
