@@ -213,8 +213,9 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(p.observe(offset: mib, count: 1 << 20, size: 1 << 30) == nil)  // less than a part to add
         // The window grows fourfold per read (8 → 32 MiB, the ceiling): 3 MiB read + 32 ahead.
         let third = p.observe(offset: 2 * mib, count: 1 << 20, size: 1 << 30)
-        #expect(third == (9 * mib)..<(35 * mib))
-        var scheduled: Int64 = 35 * mib
+        // 9 + 32 would end short of a part: the window ends on the last whole one.
+        #expect(third == (9 * mib)..<(33 * mib))
+        var scheduled: Int64 = 33 * mib
         for i in 3..<40 {
             if let r = p.observe(offset: Int64(i) * mib, count: 1 << 20, size: 1 << 30) {
                 #expect(r.lowerBound == scheduled && r.count >= 8 << 20 && r.upperBound <= Int64(i + 1) * mib + (32 << 20))
@@ -222,6 +223,23 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
             }
         }
         #expect(scheduled >= 40 * mib + (24 << 20))
+    }
+
+    @Test func aWindowEndsOnAWholePartUnlessTheFileEnds() {
+        // Parts of 8 MiB, 1 MiB reads: the window (up to 64 MiB) slides by whole parts only,
+        // so no GET is a sliver of a part that waits a whole first byte for a fraction of one.
+        var p = Prefetcher(minWindow: 2 << 20, maxWindow: 64 << 20)
+        let mib: Int64 = 1 << 20, size: Int64 = 300 * mib + 12345
+        var ranges: [Range<Int64>] = []
+        for i in 0..<Int64(300) {
+            if let r = p.observe(offset: i * mib, count: 1 << 20, size: size, granularity: 8 * mib) { ranges.append(r) }
+        }
+        #expect(ranges.count > 10)
+        for (i, r) in ranges.enumerated() {
+            #expect(i == 0 || r.lowerBound == ranges[i - 1].upperBound)
+            if r.lowerBound >= 3 * mib, r.upperBound < size { #expect(r.count % Int(8 * mib) == 0, "\(r) is not whole parts") }
+        }
+        #expect(ranges.last?.upperBound == size)
     }
 
     @Test func randomAccessGetsNoReadAhead() {

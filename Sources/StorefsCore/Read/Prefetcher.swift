@@ -50,10 +50,14 @@ struct Prefetcher {
         // the link's bandwidth-delay product in a few reads; one read (head -c) stays small.
         window = streak > 2 ? min(window * 4, cap) : min(window, cap)
         let from = max(scheduledUntil, end)
-        let to = min(size, end + window)
-        // Whole parts only: sliding the window by each 1 MiB read would make 1 MiB GETs.
+        var to = min(size, end + window)
+        // Whole parts only: sliding the window by each 1 MiB read would make 1 MiB GETs. And
+        // a window that ends short of the file ends on a whole part from where it starts: its
+        // last piece would be a short GET that waits for a first byte as long as a full part.
         let least = max(minWindow, min(granularity ?? minWindow, window / 2))
         guard to > from, to - from >= least || to == size else { return nil }
+        let unit = max(1, granularity ?? minWindow)
+        if to < size, to - from > unit { to = from + (to - from) / unit * unit }
         scheduledUntil = to
         return from..<to
     }
