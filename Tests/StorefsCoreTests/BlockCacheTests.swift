@@ -415,6 +415,28 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.closeStream(stream)
     }
 
+    @Test func aPartsSlotIsFreeOnceItsBytesLandBeforeItsCacheWrite() throws {
+        // The reader waits for the read-ahead part 1..3 MiB. Its cache copy then waits for room
+        // at a stalled cache writer (cache_writes=keep_up: up to 2 × parallel times the
+        // download's 0.1 s), but its slot is free as soon as its bytes are in: the link does not
+        // wait for the disk.
+        let (writer, release) = stalledWriter()
+        let (store, bytes, _, reader) = try streaming(size: 16 << 20, cached: true, readAhead: 8 << 20,
+                                                      cacheWrites: .keepUp, writer: writer)
+        store.delayReads(0.1)
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        for i in 0..<2 {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+        }
+        // The second read waited for the part (the only one: the window does not grow yet).
+        #expect(out == Array(bytes[(1 << 20)..<(2 << 20)]))
+        #expect(reader.transfers.running == 0, "the part's slot is held while its cache copy waits")
+        release.signal()
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(stream)
+    }
+
     @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {
         let (store, bytes, _, reader) = try streaming(size: 16 << 20, cached: false, readAhead: 8 << 20)
         let meta = try store.metadata(of: "f")

@@ -458,16 +458,18 @@ public final class BlockReader: Sendable {
                     self.transfers.acquire()
                     let t0 = now()
                     if flight.claim() {
-                        self.execute(flight, stream, isCancelled: nil)
-                        let firstByte = StorageTelemetry.lastFirstByte
-                        switch flight.finished {
-                        case .success?:
-                            self.transfers.release(bytes: Int64(flight.length), seconds: now() - t0, firstByte: firstByte)
-                        case .failure(let e)?:
-                            self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true,
-                                                   refused: e.code == .quotaExceeded || e.httpStatus == 503)
-                        case nil:
-                            self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true)
+                        // The slot is given back once the bytes are here, before the cache copy:
+                        // the next part's download may start while this thread writes, and a
+                        // part's measured time is the link's alone (its cache write counted too).
+                        self.execute(flight, stream, isCancelled: nil) { outcome in
+                            switch outcome {
+                            case .success:
+                                self.transfers.release(bytes: Int64(flight.length), seconds: now() - t0,
+                                                       firstByte: StorageTelemetry.lastFirstByte)
+                            case .failure(let e):
+                                self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true,
+                                                       refused: e.code == .quotaExceeded || e.httpStatus == 503)
+                            }
                         }
                     } else {
                         // A reader took it over while it waited for a slot.
@@ -484,15 +486,18 @@ public final class BlockReader: Sendable {
 
     /// Downloads a flight's bytes, stores them in the cache, then wakes its waiters.
     /// `isCancelled` is the interrupted-check of the reader that made a demand download (nil for
-    /// read-ahead); other waiters of a cancelled download make their own.
+    /// read-ahead); other waiters of a cancelled download make their own. `downloaded` hears
+    /// how the download itself ended, before anything is stored.
     private func execute(_ flight: Flight, _ stream: Stream, isCancelled: (@Sendable () -> Bool)?,
-                         afterReply: AfterReply? = nil) {
+                         afterReply: AfterReply? = nil, downloaded: ((Result<Void, StorageError>) -> Void)? = nil) {
         let meta = stream.meta
         let t0 = now()
         do throws(StorageError) {
             try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.beginDownload(),
                            isCancelled: isCancelled)
+            downloaded?(.success(()))
         } catch {
+            downloaded?(.failure(error))
             health.note(error)
             stream.flights.forget(flight)  // the next reader tries afresh
             flight.finish(.failure(error))
