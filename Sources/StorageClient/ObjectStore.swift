@@ -29,12 +29,32 @@ public protocol ObjectStore: Sendable {
     /// Sets the warm connection aside for a request that must go first
     /// (`HTTPClient.claimIdleConnection`); nil when none is idle or the store has no pool.
     func claimIdleConnection() -> ConnectionClaim?
+    /// Connections to the bucket in the pool or in use (`HTTPClient.connectionCount`); nil when
+    /// the store has no pool.
+    var connectionCount: Int? { get }
+    /// Opens one connection more and leaves it in the pool, with the smallest request made the
+    /// way reads of `name` are (its first byte): blocks for a connection's set-up and one round
+    /// trip, and reports nothing (it is only a head start for the reads that follow).
+    func openConnection(forReading name: String, generation: Int64)
 }
 
 extension ObjectStore {
     public var listingsCarrySizes: Bool { true }
 
     public func claimIdleConnection() -> ConnectionClaim? { nil }
+
+    public var connectionCount: Int? { nil }
+
+    public func openConnection(forReading name: String, generation: Int64) {}
+
+    /// `openConnection` for a store whose reads go through `http`.
+    func openConnection(through http: HTTPClient, forReading name: String, generation: Int64) {
+        let byte = UnsafeMutableRawBufferPointer.allocate(byteCount: 1, alignment: 1)
+        defer { byte.deallocate() }
+        ConnectionClaim.run(http.claimNewConnection()) {
+            try? read(name, generation: generation, offset: 0, into: byte, isCancelled: nil)
+        }
+    }
 
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {
         try list(prefix: prefix, pageToken: pageToken, isCancelled: nil)

@@ -437,6 +437,84 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.closeStream(stream)
     }
 
+    /// A reader that adapts to the link, over `store`, with 1 MiB parts.
+    private func adaptive(_ store: MemoryStore, parallel: Int = 8, memory: Int64 = 64 << 20) throws -> BlockReader {
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+        var config = BlockReader.Config(blockSize: 16 << 10, readAhead: 64 << 20, parallel: parallel, partSize: 1 << 20,
+                                        memoryLimit: memory, adaptive: true)
+        config.initialWindow = 1 << 20
+        return BlockReader(store: store, cache: cache, endpoint: "e", config: config)
+    }
+
+    /// Reads `count` MiB of "f" from MiB `first` on, a MiB at a time.
+    private func readOn(_ reader: BlockReader, _ stream: BlockReader.Stream, from first: Int = 0, mib count: Int) throws {
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        for i in first..<(first + count) {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+        }
+    }
+
+    /// Waits (at most 5 s) for `store`'s connection count to stop changing; returns it.
+    private func settledConnections(_ store: MemoryStore) -> Int {
+        var last = -1
+        for _ in 0..<50 {
+            usleep(100_000)
+            let now = store.connectionCount ?? 0
+            if now == last { return now }
+            last = now
+        }
+        return last
+    }
+
+    @Test func farFromTheServerConnectionsOpenAheadOfTheParts() throws {
+        let store = MemoryStore()
+        store.put("f", pattern(24 << 20))
+        store.simulateConnections(1)
+        store.reportFirstByte(0.030)
+        let reader = try adaptive(store)
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        try readOn(reader, stream, mib: 3)
+        // As many connections as parts may run at once (one was open): opened once, not per read.
+        let parts = reader.transfers.parts
+        #expect(parts >= 2)
+        #expect(settledConnections(store) == parts)
+        #expect(store.connectionsOpened == parts - 1)
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(stream)
+    }
+
+    @Test func nearTheServerOrForAShortReadNoConnectionIsOpenedAhead() throws {
+        let near = MemoryStore()
+        near.put("f", pattern(24 << 20))
+        near.simulateConnections(1)
+        near.reportFirstByte(0.0002)
+        let reader = try adaptive(near)
+        let stream = reader.openStream(try near.metadata(of: "f"))
+        // One small read far into the file first: the server is judged near before any window
+        // opens (until then the latest answer's first byte would decide, and tests running
+        // beside this one report far servers).
+        var small = [UInt8](repeating: 0, count: 4096)
+        try small.withUnsafeMutableBytes { try reader.read(stream, at: 20 << 20, into: $0, observed: false, isCancelled: nil) }
+        #expect(reader.transfers.isNear)
+        try readOn(reader, stream, mib: 4)
+        #expect(settledConnections(near) == 1 && near.connectionsOpened == 0, "opened ahead near the server")
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(stream)
+
+        // Far, but one small read (head -c): no window opens, nothing is opened ahead.
+        let far = MemoryStore()
+        far.put("f", pattern(24 << 20))
+        far.simulateConnections(1)
+        far.reportFirstByte(0.030)
+        let headReader = try adaptive(far)
+        let head = headReader.openStream(try far.metadata(of: "f"))
+        var out = [UInt8](repeating: 0, count: 4096)
+        try out.withUnsafeMutableBytes { try headReader.read(head, at: 0, into: $0, observed: false, isCancelled: nil) }
+        #expect(settledConnections(far) == 1 && far.connectionsOpened == 0, "opened ahead for one small read")
+        headReader.finishPendingWork(timeout: 10)
+        headReader.closeStream(head)
+    }
+
     @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {
         let (store, bytes, _, reader) = try streaming(size: 16 << 20, cached: false, readAhead: 8 << 20)
         let meta = try store.metadata(of: "f")

@@ -40,6 +40,19 @@ final class MemoryStore: ObjectStore {
     }
     var bytesRead: Int { readBytes.withLock { $0 } }
 
+    /// A connection pool, simulated: nil (no pool) until `simulateConnections`.
+    private let connections = Mutex<(count: Int, opened: Int)?>(nil)
+    func simulateConnections(_ count: Int) { connections.withLock { $0 = (count, 0) } }
+    /// `openConnection` calls so far.
+    var connectionsOpened: Int { connections.withLock { $0?.opened ?? 0 } }
+    var connectionCount: Int? { connections.withLock { $0?.count } }
+    func openConnection(forReading name: String, generation: Int64) {
+        connections.withLock { c in
+            c?.count += 1
+            c?.opened += 1
+        }
+    }
+
     init(pageSize: Int = 1000) { self.pageSize = pageSize }
 
     var requests: Counts { counts.withLock { $0 } }

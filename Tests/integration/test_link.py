@@ -54,7 +54,8 @@ def wan(lbucket, tmp_path):
 
 
 def media_requests(proxy) -> list[dict]:
-    return [r for r in proxy.stats()["per_request"] if "alt=media" in r["path"]]
+    """Media GETs other than the one-byte requests that open connections ahead of need."""
+    return [r for r in proxy.stats()["per_request"] if "alt=media" in r["path"] and r["range"] != "bytes=0-0"]
 
 
 def most_at_once(requests: list[dict]) -> int:
@@ -109,6 +110,26 @@ def test_sequential_read_on_defaults_fills_a_far_link_within_memory_limit(mount,
     assert body <= len(BIG_BYTES) * 1.05, (
         f"{body / MiB:.1f} MiB of media for a {len(BIG_BYTES) // MiB} MiB object: ranges fetched twice: "
         + ", ".join(f"{r['range']} at {r['t_req']:.3f}-{r['t_last']:.3f}" for r in sorted(media, key=lambda r: r["t_req"])))
+
+
+def test_a_far_link_has_connections_open_before_read_ahead_needs_them(mount, wan):
+    """A new connection costs 60 ms on `wan` before its first byte: once a reader reads on,
+    connections are opened (a one-byte GET each) while its window is still small, so the
+    read-ahead parts find them open. Without that, every part of the first wide window waits
+    for a connection of its own."""
+    m = mount(LB, endpoint=wan.url)
+    os.stat(m.p(BIG))
+    wan.reset_stats()
+    assert read_through(m.p(BIG)) == hashlib.sha256(BIG_BYTES).digest(), "bytes differ"
+    parts = [r for r in media_requests(wan) if r["body"] >= 2 * MiB]
+    assert most_at_once(parts) > 4, "read-ahead did not grow: nothing here is about connections"
+    first_on_new = [r for r in parts if r["seq"] == 1]
+    assert len(first_on_new) <= 2, (
+        f"{len(first_on_new)} of {len(parts)} read-ahead parts waited for a new connection of "
+        f"their own: " + ", ".join(f"{r['range']} on connection {r['conn']}" for r in first_on_new))
+    openers = [r for r in wan.stats()["per_request"] if r["range"] == "bytes=0-0"]
+    assert openers and all(r["seq"] == 1 for r in openers), "a connection opener reused a connection"
+    assert wan.stats()["connections"] <= 34, f"{wan.stats()['connections']} connections for one reader"
 
 
 def test_parallel_option_fixes_the_parts_in_flight(mount, wan):

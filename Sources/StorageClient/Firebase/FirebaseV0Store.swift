@@ -12,6 +12,12 @@ public final class FirebaseV0Store: ObjectStore {
     public var endpoint: String { client.endpoint }
     private let client: AuthorizedHTTP
 
+    public var connectionCount: Int? { client.http.connectionCount }
+
+    public func openConnection(forReading name: String, generation: Int64) {
+        openConnection(through: client.http, forReading: name, generation: generation)
+    }
+
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
         self.bucket = bucket

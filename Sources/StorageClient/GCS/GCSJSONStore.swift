@@ -17,6 +17,12 @@ public final class GCSJSONStore: ObjectStore {
 
     public func claimIdleConnection() -> ConnectionClaim? { client.http.claimIdleConnection() }
 
+    public var connectionCount: Int? { client.http.connectionCount }
+
+    public func openConnection(forReading name: String, generation: Int64) {
+        openConnection(through: client.http, forReading: name, generation: generation)
+    }
+
     public init(bucket: String, endpoint: String, http: HTTPClient, credentials: Credentials,
                 retry: RetryPolicy = RetryPolicy()) throws(StorageError) {
         self.bucket = bucket

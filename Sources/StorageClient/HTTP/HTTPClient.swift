@@ -39,6 +39,8 @@ public final class HTTPClient: Sendable {
     private struct CurlEasyBox: @unchecked Sendable { let easy: CurlEasy }
 
     private let pool = Mutex(Handles())
+    /// Handles out of the pool, running a request.
+    private let busy = Atomic<Int>(0)
     private let loopbackOrigins = Mutex([String: Bool]())
     private let timeouts: Timeouts
     private let userAgent: String
@@ -79,6 +81,14 @@ public final class HTTPClient: Sendable {
         guard let box = pool.withLock({ $0.idle.popLast() }) else { return nil }
         return ConnectionClaim(box.easy, client: self)
     }
+
+    /// A new connection for the first request made inside `ConnectionClaim.run`, never an
+    /// idle one: for opening a connection ahead of need, which then joins the pool.
+    public func claimNewConnection() -> ConnectionClaim { ConnectionClaim(CurlEasy(), client: self) }
+
+    /// Connections in the pool or in use (one set aside by a claim not yet used is not counted;
+    /// a pooled one the server has closed since is: curl opens it again on use).
+    public var connectionCount: Int { pool.withLock { $0.idle.count } + busy.load(ordering: .relaxed) }
 
     private func checkout() -> CurlEasy {
         if let claimed = ConnectionClaim.current?.take() { return claimed }
@@ -132,6 +142,8 @@ public final class HTTPClient: Sendable {
             timeLeftMS = max(1, Int(left * 1000))
         }
         let easy = checkout()
+        busy.add(1, ordering: .relaxed)
+        defer { busy.subtract(1, ordering: .relaxed) }
         let h = easy.handle
         curl_easy_reset(h)  // keeps the live connection and DNS cache, forgets per-request options
         let transfer = CurlTransfer(sink: sink, isCancelled: isCancelled)

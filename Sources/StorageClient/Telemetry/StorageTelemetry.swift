@@ -1,4 +1,5 @@
 import Glibc
+import Synchronization
 
 /// What one HTTP exchange was for: the label of request counters and latency histograms
 /// (docs/operations.md, "Metrics").
@@ -59,8 +60,16 @@ public enum StorageTelemetry {
     /// left out): read-ahead learns from it how far away the server is.
     public static var lastFirstByte: Double {
         get { Double(bitPattern: UInt64(UInt(bitPattern: pthread_getspecific(firstByteKey)))) }
-        set { pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern))) }
+        set {
+            pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern)))
+            latestFirstByteBits.store(newValue.bitPattern, ordering: .relaxed)
+        }
     }
+
+    /// `lastFirstByte` of the latest request on any thread: how far the server seemed (from a
+    /// lookup, say) before any download has said.
+    public static var latestFirstByte: Double { Double(bitPattern: latestFirstByteBits.load(ordering: .relaxed)) }
+    private static let latestFirstByteBits = Atomic<UInt64>(0)
 
     private static let firstByteKey: pthread_key_t = {
         var key = pthread_key_t()

@@ -64,6 +64,10 @@ public final class BlockReader: Sendable {
     /// The downloads in flight (or finished and not yet read), per object generation.
     private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
     private let pool = Mutex<WorkerPool?>(nil)
+    /// Threads that open connections ahead of need (`openConnectionsAhead`), and how many
+    /// openings are queued and not yet under way.
+    private let connectPool = Mutex<WorkerPool?>(nil)
+    private let connectionsQueued = Mutex(0)
 
     struct ObjectKey: Hashable {
         var object: ByteName
@@ -362,14 +366,43 @@ public final class BlockReader: Sendable {
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
         // A reader's window covers the parts that may run at once, and a little more.
-        let (parts, part) = transfers.current
+        let (parts, part, near) = transfers.current
         let limit = config.adaptive ? Int64(parts + 2) * part : config.readAhead
         let ahead = stream.detector.withLock {
             $0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part)
         }
-        if let ahead, let stopped = schedule(stream, ahead) {
+        guard let ahead else { return }
+        if config.adaptive, !near, transfers.seemsFar { openConnectionsAhead(stream, from: ahead.lowerBound, parts: parts, part: part) }
+        if let stopped = schedule(stream, ahead) {
             // Out of memory budget: the rest of the window is tried again on the next read.
             stream.detector.withLock { $0.unscheduled(from: stopped) }
+        }
+    }
+
+    /// On a far link a new connection's set-up (TCP and TLS: a round trip or more each) is
+    /// paid before a part needs it: once a reader reads on, connections are opened up to the
+    /// parts that may run at once (no more than the rest of the file needs), each with a
+    /// one-byte request, while the reader's window is still small (docs/architecture.md,
+    /// "Adaptive transfers"). Open connections stay in the pool for every file after.
+    private func openConnectionsAhead(_ stream: Stream, from offset: Int64, parts: Int, part: Int64) {
+        let want = Int(min(Int64(parts), (stream.meta.size - offset + part - 1) / max(1, part)))
+        guard want >= 2, let have = store.connectionCount else { return }
+        let missing = connectionsQueued.withLock { queued -> Int in
+            let missing = want - have - queued
+            if missing > 0 { queued += missing }
+            return missing
+        }
+        guard missing > 0 else { return }
+        let pool = connectPool.withLock { p in
+            if p == nil { p = WorkerPool(threads: 16, name: "storefs-connect") }
+            return p!
+        }
+        let meta = stream.meta
+        for _ in 0..<missing {
+            pool.submit { [self] in
+                connectionsQueued.withLock { $0 -= 1 }  // from here on `connectionCount` has it
+                store.openConnection(forReading: meta.name, generation: meta.generation)
+            }
         }
     }
 

@@ -41,6 +41,9 @@ struct TransferPlan: Equatable {
         /// few parts fill what little lies between, so the count starts at `nearStartParts`
         /// instead, and grows from there only if more parts pay.
         var nearFirstByte = 0.003
+        /// Before any download has landed, a server whose latest answer (a lookup's) took this
+        /// long to its first byte is taken for far: connections are opened ahead for it.
+        var farHint = 0.01
         var nearStartParts = 4
         /// Parts start this large near the server (never above `startPartSize`): a first byte
         /// that comes at once is no reason for large parts, and every byte in flight is a
@@ -72,7 +75,7 @@ struct TransferPlan: Equatable {
     private var countBefore = 0
     private var countChangedAt = -Double.infinity
     /// The first part's wait for its first byte has set the starting count.
-    private var startJudged = false
+    private(set) var startJudged = false
     private var holdLeft = 0
     // The epoch under way.
     private var epochStart: Double
@@ -284,9 +287,14 @@ final class TransferController: Sendable {
     /// Size of the next read-ahead part.
     var partSize: Int64 { state.withLock { $0.plan.partSize } }
     /// Both at once, under one lock (every read asks: a FUSE thread's hot path).
-    var current: (parts: Int, partSize: Int64) { state.withLock { ($0.plan.parts, $0.plan.partSize) } }
+    var current: (parts: Int, partSize: Int64, isNear: Bool) { state.withLock { ($0.plan.parts, $0.plan.partSize, $0.plan.isNear) } }
     /// The server is near (`TransferPlan.isNear`).
     var isNear: Bool { state.withLock { $0.plan.isNear } }
+    /// The server is far: a download said so, or, before any has landed, the latest answer's
+    /// first byte (`Limits.farHint`).
+    var seemsFar: Bool {
+        state.withLock { $0.plan.startJudged ? !$0.plan.isNear : nil } ?? (StorageTelemetry.latestFirstByte >= limits.farHint)
+    }
     /// Parts downloading now.
     var running: Int { state.withLock { $0.running } }
 
