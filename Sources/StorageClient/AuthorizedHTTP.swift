@@ -67,11 +67,12 @@ struct AuthorizedHTTP: Sendable {
     }
 
     /// Ranged GET into `buffer`, with retries, within the time budget.
-    func getRange(_ url: String, what: String, start: Int64, into buffer: UnsafeMutableRawBufferPointer,
+    func getRange(_ url: String, what: String, start: Int64, into buffer: UnsafeMutableRawBufferPointer, untilEnd: Bool = false,
                   isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> HTTPResponse {
         try retry.run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
-                try http.getRange(url, headers: h, start: start, into: buffer, deadline: deadline, isCancelled: isCancelled)
+                try http.getRange(url, headers: h, start: start, into: buffer, untilEnd: untilEnd, deadline: deadline,
+                                  isCancelled: isCancelled)
             }
         }
     }

@@ -36,6 +36,25 @@ public protocol ObjectStore: Sendable {
     /// way reads of `name` are (its first byte): blocks for a connection's set-up and one round
     /// trip, and reports nothing (it is only a head start for the reads that follow).
     func openConnection(forReading name: String, generation: Int64)
+    /// The first `buffer.count` bytes of `name` (fewer if it is smaller), whatever its
+    /// generation: asked beside a lookup, before the generation is known. nil where the store
+    /// does not do this (its lookups need no second round trip).
+    func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
+                   isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectStart?
+}
+
+/// What `ObjectStore.readStart` brought: the generation the bytes are of, the object's size
+/// where the answer says it, and how many bytes came.
+public struct ObjectStart: Sendable, Equatable {
+    public var generation: Int64
+    public var size: Int64?
+    public var count: Int
+
+    public init(generation: Int64, size: Int64?, count: Int) {
+        self.generation = generation
+        self.size = size
+        self.count = count
+    }
 }
 
 extension ObjectStore {
@@ -46,6 +65,9 @@ extension ObjectStore {
     public var connectionCount: Int? { nil }
 
     public func openConnection(forReading name: String, generation: Int64) {}
+
+    public func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
+                          isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectStart? { nil }
 
     /// `openConnection` for a store whose reads go through `http`.
     func openConnection(through http: HTTPClient, forReading name: String, generation: Int64) {

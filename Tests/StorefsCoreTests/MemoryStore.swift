@@ -40,6 +40,25 @@ final class MemoryStore: ObjectStore {
     }
     var bytesRead: Int { readBytes.withLock { $0 } }
 
+    /// Answers `readStart` (as the Firebase v0 store does) once set; counts its calls.
+    private let startReads = Mutex<Int?>(nil)
+    func answerReadStart() { startReads.withLock { $0 = 0 } }
+    var readStarts: Int { startReads.withLock { $0 ?? 0 } }
+
+    func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
+                   isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectStart? {
+        guard startReads.withLock({ s -> Bool in
+            guard let n = s else { return false }
+            s = n + 1
+            return true
+        }) else { return nil }
+        try check()
+        guard let (m, bytes) = objects.withLock({ $0[name] }) else { throw StorageError(.notFound, "no \(name)", httpStatus: 404) }
+        let n = min(buffer.count, bytes.count)
+        bytes.withUnsafeBytes { buffer.copyMemory(from: UnsafeRawBufferPointer(rebasing: $0[0..<n])) }
+        return ObjectStart(generation: m.generation, size: m.size, count: n)
+    }
+
     /// A connection pool, simulated: nil (no pool) until `simulateConnections`.
     private let connections = Mutex<(count: Int, opened: Int)?>(nil)
     func simulateConnections(_ count: Int) { connections.withLock { $0 = (count, 0) } }

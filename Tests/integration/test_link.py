@@ -225,3 +225,36 @@ def test_the_mount_check_answers_the_first_lookups(mount, wan):
     wan.reset_stats()
     assert not os.path.exists(m.p("no-such-name"))
     assert wan.stats()["requests"] == 0, wan.stats()["per_request"]
+
+
+def test_a_firebase_v0_read_right_after_its_lookup_waits_one_round_trip(bare_mount, firebase, lbucket, tmp_path):
+    """v0 listings carry no sizes, so a lookup asks the object's metadata (one round trip)
+    and `head -c 1` would then wait a second one for its media GET. The first bytes are asked
+    beside the metadata, and the read takes them: one media GET, sent before the metadata's
+    answer came back, and none after it."""
+    proxy = link.LinkProxy.profile("wan", firebase.port, workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    try:
+        m = bare_mount(LB, endpoint=proxy.url, options=["protocol=firebase", "anonymous"])
+        for name in ("tree/d1/f3.txt", "tree/d1/f7.txt"):
+            proxy.reset_stats()
+            started = time.monotonic()
+            with open(m.p(name), "rb") as f:
+                assert f.read(1) == TREE[name][:1]
+            took = time.monotonic() - started
+            print(f"head -c 1 of {name} through wan on v0: {took * 1000:.0f} ms")
+            quoted = name.replace("/", "%2F")
+            reqs = [r for r in proxy.stats()["per_request"] if quoted in r["path"]]
+            media = [r for r in reqs if "alt=media" in r["path"]]
+            meta = [r for r in reqs if r["path"].endswith("/o/" + quoted)]
+            assert len(meta) == 1 and len(media) == 1, (
+                f"{name}: expected one metadata GET and one media GET, got "
+                + ", ".join(f"{r['path']} {r['range']}" for r in reqs))
+            assert media[0]["t_req"] <= meta[0]["t_first"], (
+                f"{name}: the media GET went out {1000 * (media[0]['t_req'] - meta[0]['t_first']):.0f} ms after "
+                f"the metadata's answer ({took * 1000:.0f} ms in all): a second round trip")
+    finally:
+        proxy.stop()

@@ -77,6 +77,21 @@ public final class FirebaseV0Store: ObjectStore {
         }
     }
 
+    /// v0 lookups need a metadata GET (listings carry no sizes): the first bytes are asked in
+    /// the same round trip, and the answer's headers say which generation they are.
+    public func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
+                          isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectStart? {
+        let url = "\(bucketPath)/\(ObjectName.encode(name))?alt=media"
+        let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: 0, into: buffer, untilEnd: true,
+                                           isCancelled: isCancelled)
+        guard let served = response.headers["x-goog-generation"].flatMap({ Int64($0) }) else {
+            throw StorageError(.invalidResponse, "gs://\(bucket)/\(name): the answer does not say its generation (x-goog-generation)")
+        }
+        var size = response.headers["content-range"].flatMap(ContentRange.init(header:))?.total
+        if size == nil, response.status == 200, response.bytesRead < buffer.count { size = Int64(response.bytesRead) }
+        return ObjectStart(generation: served, size: size, count: response.bytesRead)
+    }
+
     @discardableResult
     public func checkAccess(prefix: String) throws(StorageError) -> ListPage? {
         do throws(StorageError) {

@@ -180,6 +180,17 @@ extension CurlTransfer {
         return nil
     }
 
+    /// The answer stopped where the object ends: a 206 whose Content-Range ends at its total,
+    /// every byte of it received, or a 200 (the whole object) read to its end.
+    var reachedObjectEnd: Bool {
+        guard case .window(_, let start) = sink else { return false }
+        if status == 206 {
+            guard let r = headers["content-range"].flatMap(ContentRange.init(header:)), let total = r.total else { return false }
+            return r.first == start && r.last + 1 == total && Int64(filled) == r.last - r.first + 1
+        }
+        return status == 200 && !stoppedEarly
+    }
+
     /// A whole-object answer read to its end whose bytes do not match its own crc32c: a
     /// transfer fault (retried), never data. nil when it matches or cannot be checked.
     var wholeBodyMismatch: StorageError? {

@@ -60,12 +60,16 @@ public final class HTTPClient: Sendable {
 
     /// GET `url` with `Range: bytes=start-(start+buffer.count-1)` and copy exactly those bytes into
     /// `buffer`. A 206 must carry a matching Content-Range; a 200 (whole object) is sliced.
+    /// `untilEnd`: the object may end inside the range (its size is not known yet); an answer
+    /// that stops where the object ends is whole (`bytesRead` says how much came).
     public func getRange(_ url: String, headers: [String], start: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                         deadline: Double? = nil, isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+                         untilEnd: Bool = false, deadline: Double? = nil,
+                         isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
         precondition(buffer.count > 0, "no Range request for zero bytes")
         let last = start + Int64(buffer.count) - 1
         return try perform(url, headers: headers + ["Range: bytes=\(start)-\(last)"],
-                           sink: .window(buffer: buffer, start: start), deadline: deadline, isCancelled: isCancelled)
+                           sink: .window(buffer: buffer, start: start), deadline: deadline, isCancelled: isCancelled,
+                           untilEnd: untilEnd)
     }
 
     /// POST a body (token endpoints); answers are collected like `get`.
@@ -103,9 +107,11 @@ public final class HTTPClient: Sendable {
 
     /// One exchange, reported to `StorageTelemetry.onExchange` (logs and metrics) when set.
     private func perform(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
-                         isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]? = nil) throws(StorageError) -> HTTPResponse {
+                         isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]? = nil,
+                         untilEnd: Bool = false) throws(StorageError) -> HTTPResponse {
         guard let observe = StorageTelemetry.onExchange else {
-            return try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody)
+            return try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody,
+                                untilEnd: untilEnd)
         }
         let started = monotonicNow()
         var ranged = false
@@ -115,7 +121,8 @@ public final class HTTPClient: Sendable {
                                         target: StorageTelemetry.target(of: url), status: 0, bytes: 0, seconds: 0,
                                         attempt: max(1, StorageTelemetry.attempt), failure: nil)
         do {
-            let response = try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody)
+            let response = try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody,
+                                        untilEnd: untilEnd)
             record.status = response.status
             record.bytes = ranged ? response.bytesRead : response.body.count
             record.seconds = monotonicNow() - started
@@ -131,7 +138,7 @@ public final class HTTPClient: Sendable {
     }
 
     private func transfer(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
-                          isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]?) throws(StorageError) -> HTTPResponse {
+                          isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]?, untilEnd: Bool) throws(StorageError) -> HTTPResponse {
         if let isCancelled, isCancelled() { throw StorageError(.cancelled, "transfer cancelled") }
         var timeLeftMS = 0
         if let deadline {
@@ -217,7 +224,8 @@ public final class HTTPClient: Sendable {
                 throw failure
             }
             if let mismatch = transfer.wholeBodyMismatch { throw mismatch }
-            if case .window(let buffer, _) = sink, (200..<300).contains(status), transfer.filled < buffer.count {
+            if case .window(let buffer, _) = sink, (200..<300).contains(status), transfer.filled < buffer.count,
+               !(untilEnd && transfer.reachedObjectEnd) {
                 // A cut-short answer is a transfer fault: tried again, like a reset.
                 throw StorageError(.retryLimitExceeded,
                                    "short ranged answer: got \(transfer.filled) of \(buffer.count) bytes", httpStatus: status)

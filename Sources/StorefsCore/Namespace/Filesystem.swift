@@ -315,6 +315,13 @@ public final class Filesystem: Sendable {
         let objectName = objectName(of: path)
         let race = LookupRace()
         fetchFirstPage(parentPath, race: race)
+        // Where listings carry no sizes (v0) nothing learnt before could answer this lookup, and
+        // a read that follows would wait a round trip of its own: its first bytes are asked now,
+        // unless the cache holds bytes of the generation last known (a file read before, on this
+        // mount or an earlier one).
+        if skipInode == nil, !store.listingsCarrySizes, !lastKnownIsCached(path, parentPath: parentPath, name: name) {
+            reader.fetchFirstBytes(of: objectName, submit: probePool.submit)
+        }
         do throws(StorageError) {
             let kind: Node.Kind
             switch try probe(objectName, race: race, isCancelled: isCancelled, orFromPage: { [self] in
@@ -355,6 +362,12 @@ public final class Filesystem: Sendable {
             Log.warn("lookup failed", ["op": "lookup", "path": path, "error": error.message])
             throw FilesystemError(error)
         }
+    }
+
+    /// `path` was last known as a file of which the cache holds bytes.
+    func lastKnownIsCached(_ path: String, parentPath: String, name: String) -> Bool {
+        guard case .success((.file(let r), _))? = lastKnown(path, parentPath: parentPath, name: name) else { return false }
+        return reader.hasCachedBytes(of: objectName(of: path), generation: r.generation, size: r.size)
     }
 
     /// What was last known about `path`, however old (for outages): the inode table, the

@@ -68,6 +68,8 @@ public final class BlockReader: Sendable {
     /// openings are queued and not yet under way.
     private let connectPool = Mutex<WorkerPool?>(nil)
     private let connectionsQueued = Mutex(0)
+    /// First bytes asked for beside lookups, for the first read of the file to take.
+    let firstBytes = FirstBytesTable()
 
     struct ObjectKey: Hashable {
         var object: ByteName
@@ -379,6 +381,26 @@ public final class BlockReader: Sendable {
         }
     }
 
+    /// Whether the cache holds any bytes of that generation of `name`.
+    func hasCachedBytes(of name: String, generation: Int64, size: Int64) -> Bool {
+        (cache?.cachedBytes(endpoint: endpoint, bucket: store.bucket, name: name, generation: generation, size: size) ?? 0) > 0
+    }
+
+    /// Asks for the first bytes of `name` (whatever its generation) on a thread `submit` gives,
+    /// for a lookup that needs a round trip anyway (docs/architecture.md, "Lookups in one round
+    /// trip"): the file's first read then waits for this answer instead of asking again.
+    public func fetchFirstBytes(of name: String, submit: (@escaping @Sendable () -> Void) -> Void) {
+        guard let entry = firstBytes.begin(name) else { return }
+        submit { [store] in
+            var bytes = [UInt8](repeating: 0, count: FirstBytesTable.length)
+            let start = try? bytes.withUnsafeMutableBytes { (b) throws(StorageError) -> ObjectStart? in
+                try store.readStart(name, into: b, isCancelled: nil)
+            }
+            entry.finish(start.flatMap { $0 }.map { FirstBytesTable.Landed(generation: $0.generation, size: $0.size,
+                                                                            bytes: Array(bytes.prefix($0.count))) })
+        }
+    }
+
     /// On a far link a new connection's set-up (TCP and TLS: a round trip or more each) is
     /// paid before a part needs it: once a reader reads on, connections are opened up to the
     /// parts that may run at once (no more than the rest of the file needs), each with a
@@ -420,6 +442,11 @@ public final class BlockReader: Sendable {
         if landed() { return nil }
         if let outage = health.outage { throw outage }
         var last = block
+        var lastBlock = lastBlock
+        // The file's first read, its first bytes asked beside its lookup: it takes all of them.
+        if block == 0, firstBytes.contains(meta.name) {
+            lastBlock = max(lastBlock, Int((min(Int64(FirstBytesTable.length), meta.size) - 1) / Int64(blockSize)))
+        }
         while last < lastBlock, stream.flights.flight(for: last + 1) == nil, !(stream.cached?.isCached(last + 1) ?? false) {
             last += 1
         }
@@ -525,9 +552,23 @@ public final class BlockReader: Sendable {
                          afterReply: AfterReply? = nil, downloaded: ((Result<Void, StorageError>) -> Void)? = nil) {
         let meta = stream.meta
         let t0 = now()
+        var asked = true
         do throws(StorageError) {
-            try store.read(meta.name, generation: meta.generation, offset: flight.start, into: flight.beginDownload(),
-                           isCancelled: isCancelled)
+            let buffer = flight.beginDownload()
+            // A file's first read takes the first bytes its lookup asked for, if they are of
+            // this generation; the rest (if any) is downloaded.
+            var have = 0
+            if isCancelled != nil, flight.start == 0, !firstBytes.isEmpty,
+               let first = firstBytes.take(meta.name, generation: meta.generation, size: meta.size, wait: 2, isCancelled: isCancelled) {
+                have = min(first.count, flight.length)
+                first.withUnsafeBytes { buffer.baseAddress!.copyMemory(from: $0.baseAddress!, byteCount: have) }
+            }
+            if have < flight.length {
+                try store.read(meta.name, generation: meta.generation, offset: flight.start + Int64(have),
+                               into: UnsafeMutableRawBufferPointer(rebasing: buffer[have...]), isCancelled: isCancelled)
+            } else {
+                asked = false
+            }
             downloaded?(.success(()))
         } catch {
             downloaded?(.failure(error))
@@ -539,7 +580,7 @@ public final class BlockReader: Sendable {
         health.noteSuccess()
         // The mount's first download to land says whether the server is near, before its bytes
         // are stored (what is kept in memory depends on it).
-        transfers.noteFirstByte(StorageTelemetry.lastFirstByte)
+        if asked { transfers.noteFirstByte(StorageTelemetry.lastFirstByte) }
         // Which download completes the object is decided under the object's check lock, one
         // download at a time, and a download that does not complete it finishes (may be read)
         // and is listed as unstored under that lock too: the next one to decide counts it, so
