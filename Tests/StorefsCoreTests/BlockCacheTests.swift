@@ -438,8 +438,9 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     /// A reader that adapts to the link, over `store`, with 1 MiB parts.
-    private func adaptive(_ store: MemoryStore, parallel: Int = 8, memory: Int64 = 64 << 20) throws -> BlockReader {
-        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+    private func adaptive(_ store: MemoryStore, parallel: Int = 8, memory: Int64 = 64 << 20,
+                          cache: BlockCache? = nil) throws -> BlockReader {
+        let cache = try cache ?? BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
         var config = BlockReader.Config(blockSize: 16 << 10, readAhead: 64 << 20, parallel: parallel, partSize: 1 << 20,
                                         memoryLimit: memory, adaptive: true)
         config.initialWindow = 1 << 20
@@ -466,11 +467,17 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         return last
     }
 
-    @Test func farFromTheServerConnectionsOpenAheadOfTheParts() throws {
+    /// Object "f" of 24 MiB behind one open connection, its reads reporting `firstByte`.
+    private func pooledStore(firstByte: Double) -> MemoryStore {
         let store = MemoryStore()
         store.put("f", pattern(24 << 20))
         store.simulateConnections(1)
-        store.reportFirstByte(0.030)
+        store.reportFirstByte(firstByte)
+        return store
+    }
+
+    @Test func farFromTheServerConnectionsOpenAheadOfTheParts() throws {
+        let store = pooledStore(firstByte: 0.030)
         let reader = try adaptive(store)
         let stream = reader.openStream(try store.metadata(of: "f"))
         try readOn(reader, stream, mib: 3)
@@ -484,10 +491,7 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     }
 
     @Test func nearTheServerOrForAShortReadNoConnectionIsOpenedAhead() throws {
-        let near = MemoryStore()
-        near.put("f", pattern(24 << 20))
-        near.simulateConnections(1)
-        near.reportFirstByte(0.0002)
+        let near = pooledStore(firstByte: 0.0002)
         let reader = try adaptive(near)
         let stream = reader.openStream(try near.metadata(of: "f"))
         // One small read far into the file first: the server is judged near before any window
@@ -502,10 +506,7 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.closeStream(stream)
 
         // Far, but one small read (head -c): no window opens, nothing is opened ahead.
-        let far = MemoryStore()
-        far.put("f", pattern(24 << 20))
-        far.simulateConnections(1)
-        far.reportFirstByte(0.030)
+        let far = pooledStore(firstByte: 0.030)
         let headReader = try adaptive(far)
         let head = headReader.openStream(try far.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 4096)
@@ -513,6 +514,26 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(settledConnections(far) == 1 && far.connectionsOpened == 0, "opened ahead for one small read")
         headReader.finishPendingWork(timeout: 10)
         headReader.closeStream(head)
+    }
+
+    @Test func farFromTheServerACachedFileOpensNoConnection() throws {
+        let store = pooledStore(firstByte: 0.030)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
+        let meta = try store.metadata(of: "f")
+        let fill = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 16 << 10, readAhead: 0))
+        let filled = fill.openStream(meta)
+        var whole = [UInt8](repeating: 0, count: 24 << 20)
+        try whole.withUnsafeMutableBytes { try fill.read(filled, at: 0, into: $0, observed: false, isCancelled: nil) }
+        fill.finishPendingWork(timeout: 10)
+        fill.closeStream(filled)
+        // A new reader over the same cache (a remount), far from the server: the reads find
+        // every byte cached, so no connection is opened for read-ahead that will not run.
+        let reader = try adaptive(store, cache: cache)
+        let stream = reader.openStream(meta)
+        try readOn(reader, stream, mib: 8)
+        #expect(settledConnections(store) == 1 && store.connectionsOpened == 0, "opened ahead for a cached file")
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(stream)
     }
 
     @Test func aFileOpenedAgainSharesTheReadAheadStillRunning() throws {

@@ -374,7 +374,11 @@ public final class BlockReader: Sendable {
             $0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part)
         }
         guard let ahead else { return }
-        if config.adaptive, !near, transfers.seemsFar { openConnectionsAhead(stream, from: ahead.lowerBound, parts: parts, part: part) }
+        // Only for a window with bytes to download: a cached file read on a far mount needs none.
+        if config.adaptive, !near, transfers.seemsFar,
+           Int64(stream.cached?.cachedBytes(from: ahead.lowerBound, upTo: ahead.upperBound) ?? 0) < Int64(ahead.count) {
+            openConnectionsAhead(stream, from: ahead.lowerBound, parts: parts, part: part)
+        }
         if let stopped = schedule(stream, ahead) {
             // Out of memory budget: the rest of the window is tried again on the next read.
             stream.detector.withLock { $0.unscheduled(from: stopped) }
