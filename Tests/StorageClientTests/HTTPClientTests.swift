@@ -112,6 +112,39 @@ final class RawHTTPServer: @unchecked Sendable {
         #expect { _ = try get(server, start: 30, count: 10) } throws: { ($0 as? StorageError)?.code == .retryLimitExceeded }
     }
 
+    /// A range asked before the object's size is known (`untilEnd`: a lookup's first bytes).
+    func getUntilEnd(_ head: String, _ body: String, count: Int = 128) throws -> (bytes: Int, text: String) {
+        let server = RawHTTPServer { c, _ in RawHTTPServer.send(c, head + body) }
+        defer { server.stop() }
+        let http = HTTPClient(userAgent: "test")
+        var out = [UInt8](repeating: 0, count: count)
+        let r = try out.withUnsafeMutableBytes { try http.getRange(server.url, headers: [], start: 0, into: $0, untilEnd: true) }
+        return (r.bytesRead, String(decoding: out.prefix(r.bytesRead), as: UTF8.self))
+    }
+
+    @Test func untilEndAnAnswerThatStopsWhereTheObjectEndsIsWhole() throws {
+        let small = String(Self.object.prefix(10))
+        #expect(try getUntilEnd("HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/10\r\nContent-Length: 10\r\n\r\n", small)
+                == (10, small))
+        #expect(try getUntilEnd("HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", small) == (10, small))
+        // Larger than the window: the window's bytes, as for any range.
+        #expect(try getUntilEnd("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", Self.object, count: 40).bytes == 40)
+    }
+
+    @Test(arguments: [
+        // Stops short of the total it states: the rest of the object exists and is missing.
+        "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/100\r\nContent-Length: 10\r\n\r\n",
+        // States the object's end but sends fewer bytes than its range (a cut answer).
+        "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-19/20\r\nContent-Length: 10\r\n\r\n",
+        // No total to say where the object ends.
+        "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/*\r\nContent-Length: 10\r\n\r\n",
+    ])
+    func untilEndAShortAnswerThatDoesNotReachTheObjectsEndIsAFault(head: String) throws {
+        #expect { _ = try getUntilEnd(head, String(Self.object.prefix(10))) } throws: {
+            ($0 as? StorageError)?.code == .retryLimitExceeded
+        }
+    }
+
     @Test func anEndlessErrorBodyEndsTheTransferAtOnce() throws {
         let server = RawHTTPServer { c, _ in
             RawHTTPServer.send(c, "HTTP/1.1 500 Internal Server Error\r\nTransfer-Encoding: chunked\r\n\r\n")
