@@ -62,14 +62,22 @@ public enum StorageTelemetry {
         get { Double(bitPattern: UInt64(UInt(bitPattern: pthread_getspecific(firstByteKey)))) }
         set {
             pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern)))
-            latestFirstByteBits.store(newValue.bitPattern, ordering: .relaxed)
+            guard newValue > 0 else { return }
+            // The fastest answer so far: a busy machine or server can make any one answer slow,
+            // but nothing makes a far server answer faster than its distance.
+            var seen = fastestFirstByteBits.load(ordering: .relaxed)
+            while seen == 0 || newValue < Double(bitPattern: seen) {
+                let (done, now) = fastestFirstByteBits.compareExchange(expected: seen, desired: newValue.bitPattern, ordering: .relaxed)
+                if done { break }
+                seen = now
+            }
         }
     }
 
-    /// `lastFirstByte` of the latest request on any thread: how far the server seemed (from a
-    /// lookup, say) before any download has said.
-    public static var latestFirstByte: Double { Double(bitPattern: latestFirstByteBits.load(ordering: .relaxed)) }
-    private static let latestFirstByteBits = Atomic<UInt64>(0)
+    /// The fastest `lastFirstByte` of any request on any thread (0 before any): how far the
+    /// server is (from a lookup, say) before any download has said.
+    public static var fastestFirstByte: Double { Double(bitPattern: fastestFirstByteBits.load(ordering: .relaxed)) }
+    private static let fastestFirstByteBits = Atomic<UInt64>(0)
 
     private static let firstByteKey: pthread_key_t = {
         var key = pthread_key_t()
