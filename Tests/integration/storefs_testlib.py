@@ -435,6 +435,14 @@ def is_mounted(path: str) -> bool:
     return mount_at(path) is not None
 
 
+def default_signals() -> None:
+    """preexec_fn for a child a test will interrupt: a shell runs background jobs (a CI runner's
+    `pytest &`, `nohup`) with SIGINT and SIGQUIT ignored, and children inherit that, so a
+    SIGINT the test sends would be ignored by the child, not answered by storefs."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie (init may reap daemons late)."""
     try:

@@ -23,7 +23,7 @@ import uuid
 
 import pytest
 
-from storefs_testlib import BUCKET, is_mounted, vm_kib
+from storefs_testlib import BUCKET, default_signals, is_mounted, vm_kib
 from storefs_testlib import read_whole as read_file
 
 CB = "cache-bucket"
@@ -509,7 +509,7 @@ def test_sigint_ends_a_stalled_cat_and_the_mount_carries_on(mount, proxy, corpus
     proxy.media_delay = 3.0
     m = mount(BUCKET, endpoint=proxy.endpoint)
     cat = subprocess.Popen(["cat", m.p(corpus.BIG)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE)
+                           stderr=subprocess.PIPE, preexec_fn=default_signals)
     try:
         time.sleep(0.5)
         assert cat.poll() is None, "cat finished before the signal: the delay did not hold it"

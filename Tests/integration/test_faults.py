@@ -36,7 +36,7 @@ import pytest
 
 from fault_proxy import FaultProxy
 from gcs_emulator import quote_name
-from storefs_testlib import is_mounted, pid_alive, wait_pid_gone
+from storefs_testlib import default_signals, is_mounted, pid_alive, wait_pid_gone
 from storefs_testlib import read_whole as read_all
 
 FB = "faults-bucket"
@@ -590,7 +590,8 @@ def test_signal_ends_a_stat_whose_lookup_is_stalled_within_3s(mount, fault_proxy
     # docs/architecture.md, "Lookups in one round trip") both stall.
     fault_proxy.add_rule(kind=("metadata", "list"), fault="blackhole", match=names_match(["intr/"]))
     started = time.monotonic()
-    proc = subprocess.Popen(["stat", m.p(name)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(["stat", m.p(name)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=default_signals)
     try:
         took = _signal_stalled(proc, fault_proxy, "blackhole", sig, started)
     finally:
