@@ -53,6 +53,7 @@ public struct MountOptions: Sendable, Equatable {
     public static let maxParallel = 32
     public var memoryLimit: Int64 = 256 << 20
     public var cacheWrites: CacheWrites = .all
+    public var cacheIO: CacheIO = .direct
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
     public var listAhead = 128
     /// docs/security.md, "Time bounds": connection set-up, first byte / stall, and one whole
@@ -142,6 +143,7 @@ public struct MountOptions: Sendable, Equatable {
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)
+          -o cache_io=W      direct (default: cache data is written past the page cache) or buffered
           -o list_ahead=N    sub-directories listed ahead when a directory is opened (default 128, 0 = off)
           -o connect_timeout=S  seconds to connect to the server (default 10)
           -o response_timeout=S seconds to wait for an answer to start, or through a stall (under 1 KiB/s) (default 10)
@@ -259,6 +261,8 @@ public struct MountOptions: Sendable, Equatable {
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
             case "cache_writes":
                 o.cacheWrites = try choice(key, value, "all or keep_up") { CacheWrites(rawValue: $0.lowercased()) }
+            case "cache_io":
+                o.cacheIO = try choice(key, value, "direct or buffered") { CacheIO(rawValue: $0.lowercased()) }
             case "list_ahead": o.listAhead = try integer(key, value, 0...4096, "a whole number from 0 to 4096")
             case "parallel": o.parallel = try integer(key, value, 1...64, "a whole number from 1 to 64")
             case "connect_timeout": o.connectTimeout = try positiveSeconds(key, value)

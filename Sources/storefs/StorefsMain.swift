@@ -180,7 +180,7 @@ enum StorefsMain {
         let namespace: NamespaceStore
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
-                                   blockSize: o.blockSize)
+                                   blockSize: o.blockSize, directWrites: o.cacheIO == .direct)
             namespace = try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey)
         } catch {
             return fail(error.message)

@@ -127,6 +127,69 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(o.cachedBytes(from: 0, upTo: 10_000) == 4096)
     }
 
+    /// Which pages of the file at `path` from `offset` for `length` bytes are in the page cache.
+    func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
+        let fd = open(path, O_RDONLY)
+        defer { close(fd) }
+        guard let p = mmap(nil, length, PROT_READ, MAP_SHARED, fd, off_t(offset)), p != MAP_FAILED else { return [] }
+        defer { munmap(p, length) }
+        var vec = [UInt8](repeating: 0, count: (length + 4095) / 4096)
+        guard mincore(p, length, &vec) == 0 else { return [] }
+        return vec.map { $0 & 1 == 1 }
+    }
+
+    /// A download buffer (page-aligned, as `FlightBufferPool`'s) holding `bytes`.
+    func aligned(_ bytes: [UInt8]) -> UnsafeMutableRawBufferPointer {
+        let b = UnsafeMutableRawBufferPointer.allocate(byteCount: bytes.count, alignment: 4096)
+        b.copyBytes(from: bytes)
+        return b
+    }
+
+    @Test(arguments: [true, false])
+    func cacheDataIsWrittenPastThePageCacheUnlessBuffered(direct: Bool) throws {
+        // 100 KiB + 1,000 bytes in 16 KiB blocks: six whole blocks and a partial one.
+        var m = meta
+        m.size = 103_400
+        let bytes = pattern(Int(m.size), seed: 3)
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10, directWrites: direct)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        let buffer = aligned(bytes)
+        defer { buffer.deallocate() }
+        o.store(first: 0, UnsafeRawBufferPointer(buffer))
+        // Only the partial last block (its page) may be in the page cache after a direct write.
+        let pages = residentPages(o.path, offset: o.format.dataOffset, length: 98_304)
+        #expect(pages.count == 24)
+        if direct {
+            #expect(pages.allSatisfy { !$0 }, "cache data went through the page cache: \(pages.filter { $0 }.count) of 24 pages resident")
+        } else {
+            #expect(pages.allSatisfy { $0 })
+        }
+        // Either way the bytes read back are those stored, and their checks pass.
+        var whole = [UInt8](repeating: 0, count: bytes.count)
+        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
+        #expect(whole == bytes)
+        cache.release(o)
+    }
+
+    @Test func unalignedBuffersAndOffsetsAreWrittenBufferedAndReadBackWhole() throws {
+        var m = meta
+        m.size = 70_000
+        let bytes = pattern(Int(m.size), seed: 9)
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        // An aligned buffer for the first block; the rest from an array at whatever address
+        // it has, one byte in (never page-aligned).
+        let first = aligned(Array(bytes[0..<16_384]))
+        defer { first.deallocate() }
+        o.store(first: 0, UnsafeRawBufferPointer(first))
+        let shifted = [0] + Array(bytes[16_384...])
+        shifted.withUnsafeBytes { o.store(first: 1, UnsafeRawBufferPointer(rebasing: $0[1...])) }
+        var whole = [UInt8](repeating: 0, count: bytes.count)
+        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
+        #expect(whole == bytes)
+        cache.release(o)
+    }
+
     @Test func capIsHardAndLeastRecentlyUsedGoesFirst() throws {
         let cap: Int64 = 64 << 10
         let cache = try BlockCache(directory: dir, capacity: cap, blockSize: 4096)

@@ -61,6 +61,7 @@ import StorageClient
         (["-o", "parallel=0", "b", "/m"], "from 1 to 64"),
         (["-o", "list_ahead=-1", "b", "/m"], "from 0 to 4096"),
         (["-o", "cache_writes=some", "b", "/m"], "is not all or keep_up"),
+        (["-o", "cache_io=mmap", "b", "/m"], "is not direct or buffered"),
         (["-o", "file_mode=4755", "b", "/m"], "sets setuid, setgid or sticky bits"),
         (["-o", "dir_mode=2755", "b", "/m"], "sets setuid, setgid or sticky bits"),
         (["-o", "endpoint=http://127.0.0.1:x@evil.example/", "b", "/m"], "carries a user name or password"),
@@ -100,11 +101,12 @@ import StorageClient
     }
 
     @Test func cacheOptions() throws {
-        let o = try mount(["-o", "cache_size=2G,block_size=1M,read_ahead=0,parallel=8,memory_limit=64M,list_ahead=0,cache_writes=keep_up", "b", "/m"])
+        let o = try mount(["-o", "cache_size=2G,block_size=1M,read_ahead=0,parallel=8,memory_limit=64M,list_ahead=0,cache_writes=keep_up,cache_io=buffered", "b", "/m"])
         #expect(o.cacheSize == 2 << 30 && o.blockSize == 1 << 20 && o.readAhead == 0 && o.parallel == 8 && o.memoryLimit == 64 << 20)
         let defaults = try mount(["b", "/m"])
         #expect(o.listAhead == 0 && defaults.listAhead == 128)
         #expect(o.cacheWrites == .keepUp && defaults.cacheWrites == .all)
+        #expect(o.cacheIO == .buffered && defaults.cacheIO == .direct)
     }
 
     @Test func helpAndVersion() throws {

@@ -18,6 +18,8 @@ public final class BlockCache: Sendable {
     public let directory: String
     public let capacity: Int64
     public let blockSize: Int
+    /// Block data is written past the page cache where the filesystem allows (`DirectWrites`).
+    public let directWrites: Bool
     /// Every file operation under `directory` (verified descriptors, never followed links).
     /// Replaced when the version directory is deleted under the mount (`recoverIfRemoved`).
     var files: CacheDirectory { directories.withLock { $0.files } }
@@ -45,8 +47,9 @@ public final class BlockCache: Sendable {
 
     /// Opens (creating with mode 0700) the cache directory and loads what earlier mounts left.
     /// A directory another user could have made or changed is refused (CacheDirectory).
-    public init(directory: String, capacity: Int64, blockSize: Int) throws(FilesystemError) {
+    public init(directory: String, capacity: Int64, blockSize: Int, directWrites: Bool = true) throws(FilesystemError) {
         self.directory = directory
+        self.directWrites = directWrites
         self.capacity = capacity
         self.blockSize = blockSize
         let files: CacheDirectory
@@ -73,6 +76,15 @@ public final class BlockCache: Sendable {
         }
         directories = Mutex(Directories(files: files, lockFD: lockFD))
         loadExisting()
+    }
+
+    private let directRefused = Atomic<Bool>(false)
+
+    /// Says once per mount that the cache's filesystem turned O_DIRECT down.
+    func noteNoDirectWrites() {
+        let why = String(cString: strerror(errno))
+        guard !directRefused.exchange(true, ordering: .relaxed) else { return }
+        Log.info("cache_dir \(directory): the filesystem does not take direct writes (\(why)): cache data goes through the page cache")
     }
 
     static func busyMessage(_ directory: String) -> String {
@@ -402,6 +414,8 @@ final class CachedObject: Sendable {
     private struct State: ~Copyable {
         var index: BlockIndex
         var fd: Int32 = -1
+        /// The same file for data writes past the page cache (`DirectWrites`); -1 where not.
+        var directFD: Int32 = -1
         var users = 0
         /// The object's own CRC32C, once an open told it (the file does not keep it).
         var expected: UInt32?
@@ -469,7 +483,13 @@ final class CachedObject: Sendable {
     func open() {
         state.withLock { s in
             s.users += 1
-            if s.fd < 0 { s.fd = cache.files.openFile(hex) ?? -1 }
+            if s.fd < 0 {
+                s.fd = cache.files.openFile(hex) ?? -1
+                if s.fd >= 0, cache.directWrites {
+                    s.directFD = DirectWrites.reopen(s.fd) ?? -1
+                    if s.directFD < 0 { cache.noteNoDirectWrites() }
+                }
+            }
         }
     }
 
@@ -480,6 +500,8 @@ final class CachedObject: Sendable {
                 futimens(s.fd, nil)  // the file's mtime is its recency for the next mount's LRU
                 Glibc.close(s.fd)
                 s.fd = -1
+                if s.directFD >= 0 { Glibc.close(s.directFD) }
+                s.directFD = -1
             }
         }
     }
@@ -595,14 +617,17 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let fd = state.withLock { $0.fd }
+            let (fd, direct) = state.withLock { ($0.fd, $0.directFD) }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return
             }
             // Data first, then the index entries: a crash in between leaves blocks that are
-            // simply absent.
-            guard pwrite(fd, run.baseAddress, run.count, off_t(format.blockOffset(runFirst))) == run.count else {
+            // simply absent. The data goes past the page cache where it can (`DirectWrites`).
+            var stillDirect = direct
+            let wrote = DirectWrites.write(run, at: format.blockOffset(runFirst), buffered: fd, direct: &stillDirect)
+            if stillDirect != direct { state.withLock { $0.directFD = stillDirect } }
+            guard wrote else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
                 return

@@ -1,0 +1,58 @@
+import Glibc
+internal import CBlockCache
+
+/// How cache data reaches the disk (`cache_io=`).
+public enum CacheIO: String, Sendable {
+    /// Past the page cache where the filesystem allows (the default; `DirectWrites`).
+    case direct
+    /// Through the page cache: the cache files' pages stay in memory for the next mount's
+    /// reads, as long as the kernel keeps them, beside the mounted files' own.
+    case buffered
+}
+
+/// Cache data written past the page cache (O_DIRECT), docs/architecture.md "Cache writes".
+///
+/// A buffered write copies every downloaded byte into a new page-cache page of the cache file,
+/// beside the page the kernel already keeps of the mounted file itself: each byte read cold
+/// sat in memory twice, and the copy into freshly allocated pages was the daemon's largest
+/// single cost on a cold read (a third of its CPU here). A direct write hands the download
+/// buffer to the disk as it is. Where a write cannot go direct (the filesystem refuses
+/// O_DIRECT, a buffer or offset is not aligned, the object's last partial block) it is
+/// buffered as before: the bytes on disk are the same either way.
+enum DirectWrites {
+    /// Offsets, lengths and buffer addresses of direct writes are multiples of this: a
+    /// device's logical block (512 or 4096 bytes) divides it.
+    static let alignment = 4096
+
+    /// A write-only O_DIRECT descriptor of the file `fd` is open on, or nil where the
+    /// filesystem does not allow one (tmpfs before Linux 6.6, some FUSE and network ones).
+    static func reopen(_ fd: Int32) -> Int32? {
+        let d = cblockcache_reopen_direct(fd)
+        return d >= 0 ? d : nil
+    }
+
+    /// Writes `bytes` at `offset`: the aligned part through `direct` when it can, the rest
+    /// through `buffered`. False on a failed or short write (errno says why); `direct` is set
+    /// to -1 (and closed) if the filesystem turned the direct write down, so later writes are
+    /// buffered.
+    static func write(_ bytes: UnsafeRawBufferPointer, at offset: Int64, buffered: Int32, direct: inout Int32) -> Bool {
+        var done = 0
+        if direct >= 0, let base = bytes.baseAddress, Int(bitPattern: base) % alignment == 0,
+           offset % Int64(alignment) == 0, bytes.count >= alignment {
+            let aligned = bytes.count / alignment * alignment
+            let n = pwrite(direct, base, aligned, off_t(offset))
+            if n == aligned {
+                done = aligned
+            } else if n < 0 && errno == EINVAL {
+                // Alignment this device does not take: buffered from now on.
+                Glibc.close(direct)
+                direct = -1
+            } else {
+                return false
+            }
+        }
+        guard done < bytes.count else { return true }
+        let rest = UnsafeRawBufferPointer(rebasing: bytes[done...])
+        return pwrite(buffered, rest.baseAddress, rest.count, off_t(offset + Int64(done))) == rest.count
+    }
+}
