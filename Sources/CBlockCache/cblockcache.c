@@ -214,6 +214,10 @@ int cblockcache_punch_hole(int fd, off_t offset, off_t len) {
 }
 
 
+int cblockcache_allocate(int fd, off_t offset, off_t len) {
+    return fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, len);
+}
+
 int cblockcache_reopen_direct(int fd) {
     char path[64];
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);

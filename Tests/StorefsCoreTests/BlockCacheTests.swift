@@ -171,6 +171,38 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         cache.release(o)
     }
 
+    @Test func directWritesOfOneObjectRunAtOnceAndStoreEveryBlockOnce() throws {
+        // 8 threads store the same 8 MiB object, each in 2 MiB parts in its own order, so
+        // parts of one file are written side by side and some twice at once.
+        var m = meta
+        m.size = 8 << 20
+        let bytes = pattern(Int(m.size), seed: 5)
+        let cache = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: 16 << 10)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        let before = cache.usedBytes
+        let buffer = aligned(bytes)
+        defer { buffer.deallocate() }
+        let part = 2 << 20
+        let address = Int(bitPattern: buffer.baseAddress)  // Sendable; the buffer outlives the threads
+        DispatchQueue.concurrentPerform(iterations: 8) { t in
+            for k in 0..<4 {
+                let p = (k + t) % 4
+                let slice = UnsafeRawBufferPointer(start: UnsafeRawPointer(bitPattern: address)! + p * part, count: part)
+                o.store(first: p * part / (16 << 10), slice)
+            }
+        }
+        var whole = [UInt8](repeating: 0, count: bytes.count)
+        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
+        #expect(whole == bytes)
+        // Each block counted once against the cap, and on disk once.
+        #expect(o.storedBytes == m.size)
+        #expect(cache.usedBytes - before == m.size)
+        var st = stat()
+        #expect(stat(o.path, &st) == 0)
+        #expect(Int64(st.st_blocks) * 512 <= m.size + (64 << 10), "allocated \(Int64(st.st_blocks) * 512)")
+        cache.release(o)
+    }
+
     @Test func unalignedBuffersAndOffsetsAreWrittenBufferedAndReadBackWhole() throws {
         var m = meta
         m.size = 70_000

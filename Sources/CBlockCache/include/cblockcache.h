@@ -18,6 +18,8 @@ uint32_t cblockcache_crc32c_combine(const uint32_t *crcs, size_t count, size_t b
 void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]);
 /* Frees the disk space of [offset, offset+len) keeping the file size (FALLOC_FL_PUNCH_HOLE). 0 or -1/errno. */
 int cblockcache_punch_hole(int fd, off_t offset, off_t len);
+/* Allocates the disk space of [offset, offset+len) (unwritten extents, size kept). 0 or -1/errno. */
+int cblockcache_allocate(int fd, off_t offset, off_t len);
 /* A second descriptor, write-only and O_DIRECT, of the very file `fd` is open on: opened through
  * /proc/self/fd (never a name another process could have swapped) and checked to be the same
  * inode. -1/errno where the filesystem, or /proc, does not allow it. */

@@ -32,7 +32,7 @@ enum DirectWrites {
     }
 
     /// Writes `bytes` at `offset`: the aligned part through `direct` when it can, the rest
-    /// through `buffered`. False on a failed or short write (errno says why); `direct` is set
+    /// through `buffered`. Direct writes to one file may run at once (`CachedObject.store`). False on a failed or short write (errno says why); `direct` is set
     /// to -1 (and closed) if the filesystem turned the direct write down, so later writes are
     /// buffered.
     static func write(_ bytes: UnsafeRawBufferPointer, at offset: Int64, buffered: Int32, direct: inout Int32) -> Bool {
@@ -40,15 +40,23 @@ enum DirectWrites {
         if direct >= 0, let base = bytes.baseAddress, Int(bitPattern: base) % alignment == 0,
            offset % Int64(alignment) == 0, bytes.count >= alignment {
             let aligned = bytes.count / alignment * alignment
+            // Allocated first, the write is an overwrite, which the filesystem lets run beside
+            // other writers of the file (ext4 takes its inode lock shared only for those).
+            _ = cblockcache_allocate(direct, off_t(offset), off_t(aligned))
             let n = pwrite(direct, base, aligned, off_t(offset))
             if n == aligned {
                 done = aligned
-            } else if n < 0 && errno == EINVAL {
+            } else {
+                let error = errno
+                // Nothing is counted for the range now: neither may its allocation stay.
+                _ = cblockcache_punch_hole(direct, off_t(offset), off_t(aligned))
+                guard n < 0 && error == EINVAL else {
+                    errno = error
+                    return false
+                }
                 // Alignment this device does not take: buffered from now on.
                 Glibc.close(direct)
                 direct = -1
-            } else {
-                return false
             }
         }
         guard done < bytes.count else { return true }
