@@ -15,6 +15,17 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 31 &+ Int(seed) &+ ($0 >> 11)) }
 }
 
+/// Which pages of the file at `path` from `offset` for `length` bytes are in the page cache.
+func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
+    let fd = open(path, O_RDONLY)
+    defer { close(fd) }
+    guard let p = mmap(nil, length, PROT_READ, MAP_SHARED, fd, off_t(offset)), p != MAP_FAILED else { return [] }
+    defer { munmap(p, length) }
+    var vec = [UInt8](repeating: 0, count: (length + 4095) / 4096)
+    guard mincore(p, length, &vec) == 0 else { return [] }
+    return vec.map { $0 & 1 == 1 }
+}
+
 @Suite struct CacheFileFormatTests {
     /// Pins the on-disk header byte for byte: if this fails, the format changed — bump
     /// `CacheFileFormat.version` (old caches are then discarded at start-up) and update this.
@@ -125,17 +136,6 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         #expect(!whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
         #expect(o.isCached(0) && !o.isCached(1) && o.isCached(2))
         #expect(o.cachedBytes(from: 0, upTo: 10_000) == 4096)
-    }
-
-    /// Which pages of the file at `path` from `offset` for `length` bytes are in the page cache.
-    func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
-        let fd = open(path, O_RDONLY)
-        defer { close(fd) }
-        guard let p = mmap(nil, length, PROT_READ, MAP_SHARED, fd, off_t(offset)), p != MAP_FAILED else { return [] }
-        defer { munmap(p, length) }
-        var vec = [UInt8](repeating: 0, count: (length + 4095) / 4096)
-        guard mincore(p, length, &vec) == 0 else { return [] }
-        return vec.map { $0 & 1 == 1 }
     }
 
     /// A download buffer (page-aligned, as `FlightBufferPool`'s) holding `bytes`.
@@ -467,6 +467,10 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
             defer { blockCache.release(c) }
             return c.cachedBytes(from: 1 << 20, upTo: 3 << 20)
         } == 2 << 20, "the part's cache copy is made")
+        // Near the server the reader is served from memory: the copy went past the page cache.
+        let c = try #require(stream.cached)
+        let pages = residentPages(c.path, offset: c.format.blockOffset((1 << 20) / (16 << 10)), length: 2 << 20)
+        #expect(!pages.isEmpty && pages.allSatisfy { !$0 }, "\(pages.filter { $0 }.count) of \(pages.count) pages in the page cache")
         #expect(reader.budget.inUse >= 2 << 20)
         var sent: [UInt8] = []
         var wasSent = false
@@ -500,6 +504,11 @@ func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
         reader.finishPendingWork(timeout: 10)
         #expect(!reader.transfers.isNear)
         #expect(stream.flights.flight(for: (2 << 20) / (16 << 10)) == nil, "the landed part was kept")
+        // Its reader reads it back from the cache file: it was written through the page cache,
+        // where that read finds it (not past it, as near the server).
+        let c = try #require(stream.cached)
+        let pages = residentPages(c.path, offset: c.format.blockOffset((2 << 20) / (16 << 10)), length: 1 << 20)
+        #expect(!pages.isEmpty && pages.allSatisfy { $0 }, "\(pages.filter { !$0 }.count) of \(pages.count) pages not in the page cache")
         #expect(budgetSettles(reader))
         var wasSent = false
         #expect(out.withUnsafeMutableBytes { dst in

@@ -585,8 +585,10 @@ final class CachedObject: Sendable {
 
     /// Stores whole blocks starting at `first` from `bytes` (which hold exactly those blocks):
     /// each run of absent blocks with one data write and one index write.
-    func store(first: Int, _ bytes: UnsafeRawBufferPointer) {
-        let serial = state.withLock { $0.directFD < 0 }
+    /// `readSoon`: the bytes will be read back from this file moments from now, so they go
+    /// through the page cache, where that read finds them (docs/architecture.md, "Cache writes").
+    func store(first: Int, _ bytes: UnsafeRawBufferPointer, readSoon: Bool = false) {
+        let serial = readSoon || state.withLock { $0.directFD < 0 }
         if serial { writing.lock() }
         defer { if serial { writing.unlock() } }
         // A file whose directory was deleted under the mount takes no more blocks: they could
@@ -624,7 +626,7 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let (fd, direct) = state.withLock { ($0.fd, $0.directFD) }
+            let (fd, direct) = state.withLock { ($0.fd, readSoon ? -1 : $0.directFD) }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return
@@ -633,7 +635,7 @@ final class CachedObject: Sendable {
             // simply absent. The data goes past the page cache where it can (`DirectWrites`).
             var stillDirect = direct
             let wrote = DirectWrites.write(run, at: format.blockOffset(runFirst), buffered: fd, direct: &stillDirect)
-            if stillDirect != direct { state.withLock { $0.directFD = stillDirect } }
+            if stillDirect != direct { state.withLock { $0.directFD = -1 } }
             guard wrote else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
