@@ -416,6 +416,9 @@ final class CachedObject: Sendable {
         var fd: Int32 = -1
         /// The same file for data writes past the page cache (`DirectWrites`); -1 where not.
         var directFD: Int32 = -1
+        /// A direct write was turned down (EINVAL): buffered from then on (`directFD` stays
+        /// open until the file is closed, as writers may be using it).
+        var directRefused = false
         var users = 0
         /// The object's own CRC32C, once an open told it (the file does not keep it).
         var expected: UInt32?
@@ -506,6 +509,7 @@ final class CachedObject: Sendable {
                 s.fd = -1
                 if s.directFD >= 0 { Glibc.close(s.directFD) }
                 s.directFD = -1
+                s.directRefused = false
             }
         }
     }
@@ -588,7 +592,7 @@ final class CachedObject: Sendable {
     /// `readSoon`: the bytes will be read back from this file moments from now, so they go
     /// through the page cache, where that read finds them (docs/architecture.md, "Cache writes").
     func store(first: Int, _ bytes: UnsafeRawBufferPointer, readSoon: Bool = false) {
-        let serial = readSoon || state.withLock { $0.directFD < 0 }
+        let serial = readSoon || state.withLock { $0.directFD < 0 || $0.directRefused }
         if serial { writing.lock() }
         defer { if serial { writing.unlock() } }
         // A file whose directory was deleted under the mount takes no more blocks: they could
@@ -626,7 +630,7 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let (fd, direct) = state.withLock { ($0.fd, readSoon ? -1 : $0.directFD) }
+            let (fd, direct) = state.withLock { ($0.fd, readSoon || $0.directRefused ? -1 : $0.directFD) }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return
@@ -635,7 +639,7 @@ final class CachedObject: Sendable {
             // simply absent. The data goes past the page cache where it can (`DirectWrites`).
             var stillDirect = direct
             let wrote = DirectWrites.write(run, at: format.blockOffset(runFirst), buffered: fd, direct: &stillDirect)
-            if stillDirect != direct { state.withLock { $0.directFD = -1 } }
+            if stillDirect != direct { state.withLock { $0.directRefused = true } }
             guard wrote else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")

@@ -32,9 +32,11 @@ enum DirectWrites {
     }
 
     /// Writes `bytes` at `offset`: the aligned part through `direct` when it can, the rest
-    /// through `buffered`. Direct writes to one file may run at once (`CachedObject.store`). False on a failed or short write (errno says why); `direct` is set
-    /// to -1 (and closed) if the filesystem turned the direct write down, so later writes are
-    /// buffered.
+    /// through `buffered`. Direct writes to one file may run at once (`CachedObject.store`).
+    /// False on a failed or short write (errno says why). `direct` is set to -1 if the
+    /// filesystem turned the direct write down (the bytes then went buffered), so that the
+    /// caller writes buffered from then on; the descriptor stays open (other writers may be
+    /// using it) until the file is closed.
     static func write(_ bytes: UnsafeRawBufferPointer, at offset: Int64, buffered: Int32, direct: inout Int32) -> Bool {
         var done = 0
         if direct >= 0, let base = bytes.baseAddress, Int(bitPattern: base) % alignment == 0,
@@ -47,15 +49,10 @@ enum DirectWrites {
             if n == aligned {
                 done = aligned
             } else {
-                let error = errno
-                // Nothing is counted for the range now: neither may its allocation stay.
-                _ = cblockcache_punch_hole(direct, off_t(offset), off_t(aligned))
-                guard n < 0 && error == EINVAL else {
-                    errno = error
-                    return false
-                }
+                // The range's allocation stays (not punched: another writer of the same blocks
+                // may have filled it meanwhile); at most one run until the file goes.
+                guard n < 0 && errno == EINVAL else { return false }
                 // Alignment this device does not take: buffered from now on.
-                Glibc.close(direct)
                 direct = -1
             }
         }
