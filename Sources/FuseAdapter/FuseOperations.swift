@@ -351,8 +351,9 @@ func makeOperations() -> fuse_lowlevel_ops {
                                         alreadyNoted: true,
                                         isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) },
                                         afterReply: later)
-                _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                // Counted before the reply, as hits are (above).
                 OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
+                _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
             } catch let e as FilesystemError {
                 OpTrace.record(.read, inode: inode, errno: reply(r.raw, e), started: started)
             } catch {
