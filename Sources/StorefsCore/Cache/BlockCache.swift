@@ -602,7 +602,7 @@ final class CachedObject: Sendable {
         let count = (bytes.count + bs - 1) / bs
         // At most 1 MiB reserved (and evicted for) at once; 4 MiB for direct writes, each of
         // which waits for the disk (a quarter of the cap at most).
-        let maxRun = max(1, min(Int64(cache.directWrites ? 4 << 20 : 1 << 20), cache.capacity / 4) / Int64(bs))
+        let maxRun = max(1, min(Int64(serial ? 1 << 20 : 4 << 20), cache.capacity / 4) / Int64(bs))
         var b = first
         while b < first + count {
             if cache.isDegraded { return }
