@@ -8,6 +8,8 @@ struct AuthorizedHTTP: Sendable {
     let http: HTTPClient
     let credentials: Credentials
     let retry: RetryPolicy
+    /// How fast the server has answered (its first bytes), storage requests only.
+    let fastest = FastestAnswer()
 
     init(endpoint: String, http: HTTPClient, credentials: Credentials, retry: RetryPolicy) throws(StorageError) {
         var e = endpoint
@@ -36,6 +38,8 @@ struct AuthorizedHTTP: Sendable {
         if response.status == 401 && credentials.sendsSecrets, let used = first.value {
             response = try send(try authorization(rejected: used).headers)
         }
+        // Any answer took the server's distance, a 404 as much as the bytes.
+        fastest.note(StorageTelemetry.lastFirstByte)
         guard (200..<300).contains(response.status) else {
             var error = StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
             error.retryAfter = response.headers["retry-after"].flatMap { Double($0.trimmingCharacters(in: .whitespaces)) }

@@ -32,6 +32,9 @@ public protocol ObjectStore: Sendable {
     /// Connections to the bucket in the pool or in use (`HTTPClient.connectionCount`); nil when
     /// the store has no pool.
     var connectionCount: Int? { get }
+    /// Seconds to the first byte of the fastest answer the bucket's server has given this store
+    /// (`FastestAnswer`); nil before any, or where the store does not measure.
+    var fastestFirstByte: Double? { get }
     /// Opens one connection more and leaves it in the pool, with the smallest request made the
     /// way reads of `name` are (its first byte): blocks for a connection's set-up and one round
     /// trip, and reports nothing (it is only a head start for the reads that follow).
@@ -63,6 +66,8 @@ extension ObjectStore {
     public func claimIdleConnection() -> ConnectionClaim? { nil }
 
     public var connectionCount: Int? { nil }
+
+    public var fastestFirstByte: Double? { nil }
 
     public func openConnection(forReading name: String, generation: Int64) {}
 

@@ -595,8 +595,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let reader = try adaptive(near)
         let stream = reader.openStream(try near.metadata(of: "f"))
         // One small read far into the file first: the server is judged near before any window
-        // opens (until then the latest answer's first byte would decide, and tests running
-        // beside this one report far servers).
+        // opens.
         var small = [UInt8](repeating: 0, count: 4096)
         try small.withUnsafeMutableBytes { try reader.read(stream, at: 20 << 20, into: $0, observed: false, isCancelled: nil) }
         #expect(reader.transfers.isNear)
@@ -614,6 +613,32 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(settledConnections(far) == 1 && far.connectionsOpened == 0, "opened ahead for one small read")
         headReader.finishPendingWork(timeout: 10)
         headReader.closeStream(head)
+    }
+
+    /// How far the server is, before any download has said, comes from the mount's own store:
+    /// another mount's (or test's) answers never decide it. A store whose lookup came within
+    /// 3 ms plans its first windows near; one whose answers took 30 ms seems far, though a near
+    /// store answered within a millisecond in the same process just before.
+    @Test func aServersDistanceBeforeAnyDownloadIsTheMountsOwn() throws {
+        let near = pooledStore(firstByte: 0.0002)
+        var byte = [UInt8](repeating: 0, count: 1)
+        // A lookup's answer, as far as distance goes: the store answered, no download landed.
+        let lookup = { (store: MemoryStore) throws in
+            let generation = try store.metadata(of: "f").generation
+            try byte.withUnsafeMutableBytes { try store.read("f", generation: generation, offset: 0, into: $0, isCancelled: nil) }
+        }
+        try lookup(near)
+        let nearReader = try adaptive(near)
+        #expect(nearReader.transfers.current.isNear && !nearReader.transfers.seemsFar)
+
+        let far = pooledStore(firstByte: 0.030)
+        try lookup(far)
+        let farReader = try adaptive(far)
+        #expect(!farReader.transfers.current.isNear && farReader.transfers.seemsFar)
+        // And a store that has not answered yet is neither.
+        let fresh = pooledStore(firstByte: 0.030)
+        let freshReader = try adaptive(fresh)
+        #expect(!freshReader.transfers.current.isNear && !freshReader.transfers.seemsFar)
     }
 
     @Test func farFromTheServerACachedFileOpensNoConnection() throws {

@@ -26,6 +26,8 @@ final class MemoryStore: ObjectStore {
     /// Each read reports this as its time to first byte (as the HTTP client does): a far server.
     private let firstByte = Mutex<Double?>(nil)
     func reportFirstByte(_ seconds: Double) { firstByte.withLock { $0 = seconds } }
+    private let fastest = FastestAnswer()
+    var fastestFirstByte: Double? { fastest.seconds }
 
     private let metadataDelay = Mutex<Double>(0)
     /// Makes every list and metadata request take this long (a slow server), cancellable.
@@ -141,7 +143,10 @@ final class MemoryStore: ObjectStore {
             usleep(5_000)
         }
         readBytes.withLock { $0 += buffer.count }
-        if let f = firstByte.withLock({ $0 }) { StorageTelemetry.lastFirstByte = f }
+        if let f = firstByte.withLock({ $0 }) {
+            StorageTelemetry.lastFirstByte = f
+            fastest.note(f)
+        }
         guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {
             throw StorageError(.generationChanged, "gone", httpStatus: 404)
         }

@@ -132,6 +132,39 @@ import Testing
         #expect(far.parts == 16 && far.partSize == 8 << 20)
     }
 
+    /// A busy machine made the first download slow (8 readers starting at once on loopback):
+    /// the server was judged far and the count stayed at 16 parts of 8 MiB. The next first
+    /// byte within 3 ms finds it near after all; a slow one after that changes nothing.
+    @Test func aSlowFirstAnswerFromANearServerIsCorrectedByTheNext() {
+        let limits = TransferPlan.Limits(startParts: 16)
+        var plan = TransferPlan(limits: limits, now: 0)
+        plan.noteWaiting()
+        plan.completed(bytes: 2 << 20, seconds: 0.02, firstByte: 0.012, now: 0.02)
+        #expect(!plan.isNear && plan.parts == 16 && plan.partSize == 8 << 20)
+        plan.completed(bytes: 8 << 20, seconds: 0.01, firstByte: 0.0004, now: 0.03)
+        #expect(plan.isNear && plan.parts == limits.nearStartParts && plan.partSize == limits.nearPartSize)
+        plan.completed(bytes: 2 << 20, seconds: 0.05, firstByte: 0.040, now: 0.08)
+        #expect(plan.isNear && plan.parts <= limits.nearMaxParts && plan.partSize == limits.nearPartSize)
+    }
+
+    /// An answer to a lookup within 3 ms judges the server near before any download, so the
+    /// readers' first windows are planned near; a slow one leaves the judgment to the first
+    /// download (a server may take longer over metadata than over bytes).
+    @Test func aFastLookupJudgesTheServerNearASlowOneLeavesItToTheDownloads() {
+        let limits = TransferPlan.Limits(startParts: 16)
+        var near = TransferPlan(limits: limits, now: 0)
+        near.noteAnswer(seconds: 0.0005)
+        #expect(near.isNear && near.startJudged && near.parts == limits.nearStartParts && near.partSize == limits.nearPartSize)
+        near.completed(bytes: 2 << 20, seconds: 0.05, firstByte: 0.012, now: 0.05)
+        #expect(near.isNear)
+
+        var undecided = TransferPlan(limits: limits, now: 0)
+        undecided.noteAnswer(seconds: 0.030)
+        #expect(!undecided.startJudged && undecided.parts == 16 && undecided.partSize == 8 << 20)
+        undecided.completed(bytes: 2 << 20, seconds: 0.07, firstByte: 0.030, now: 0.07)
+        #expect(undecided.startJudged && !undecided.isNear && undecided.parts == 16)
+    }
+
     /// The read-ahead keeps ahead of its reader (a reader slower than the link, or the daemon's
     /// own copies setting the pace): no reader waits for a part, so the count steps down to
     /// the fewest parts, whatever the throughput says, and is probed upward again once readers wait.

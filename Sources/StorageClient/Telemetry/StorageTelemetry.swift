@@ -60,24 +60,8 @@ public enum StorageTelemetry {
     /// left out): read-ahead learns from it how far away the server is.
     public static var lastFirstByte: Double {
         get { Double(bitPattern: UInt64(UInt(bitPattern: pthread_getspecific(firstByteKey)))) }
-        set {
-            pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern)))
-            guard newValue > 0 else { return }
-            // The fastest answer so far: a busy machine or server can make any one answer slow,
-            // but nothing makes a far server answer faster than its distance.
-            var seen = fastestFirstByteBits.load(ordering: .relaxed)
-            while seen == 0 || newValue < Double(bitPattern: seen) {
-                let (done, now) = fastestFirstByteBits.compareExchange(expected: seen, desired: newValue.bitPattern, ordering: .relaxed)
-                if done { break }
-                seen = now
-            }
-        }
+        set { pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern))) }
     }
-
-    /// The fastest `lastFirstByte` of any request on any thread (0 before any): how far the
-    /// server is (from a lookup, say) before any download has said.
-    public static var fastestFirstByte: Double { Double(bitPattern: fastestFirstByteBits.load(ordering: .relaxed)) }
-    private static let fastestFirstByteBits = Atomic<UInt64>(0)
 
     private static let firstByteKey: pthread_key_t = {
         var key = pthread_key_t()
@@ -102,5 +86,33 @@ public enum StorageTelemetry {
             return String(path[..<r.upperBound]) + rest[rest.index(after: at)...]
         }
         return String(path)
+    }
+}
+
+/// The fastest first byte of any answer one store has had from its server (a lookup, the
+/// start-up listing, a download): how far the server is, before any download has said. One per
+/// store, so one mount (or one test) never reads another's distance; token services, which
+/// may be much nearer than the bucket (a metadata server), never count.
+public final class FastestAnswer: Sendable {
+    private let bits = Atomic<UInt64>(0)
+
+    public init() {}
+
+    /// An answer's first byte came after `seconds`. A busy machine or server can make any one
+    /// answer slow, but nothing makes a far server answer faster than its distance.
+    public func note(_ seconds: Double) {
+        guard seconds > 0, seconds.isFinite else { return }
+        var seen = bits.load(ordering: .relaxed)
+        while seen == 0 || seconds < Double(bitPattern: seen) {
+            let (done, now) = bits.compareExchange(expected: seen, desired: seconds.bitPattern, ordering: .relaxed)
+            if done { break }
+            seen = now
+        }
+    }
+
+    /// Seconds to the fastest first byte yet; nil before any answer.
+    public var seconds: Double? {
+        let b = bits.load(ordering: .relaxed)
+        return b == 0 ? nil : Double(bitPattern: b)
     }
 }

@@ -99,7 +99,7 @@ public final class BlockReader: Sendable {
             startParts: config.adaptive ? min(16, config.parallel) : config.parallel, minParts: min(2, config.parallel),
             maxParts: config.parallel, startPartSize: config.partSize, maxPartSize: maxPartSize,
             memoryLimit: config.adaptive ? config.memoryLimit / 4 * 3 : config.memoryLimit,
-            fixedParts: config.adaptive ? nil : config.parallel))
+            fixedParts: config.adaptive ? nil : config.parallel), fastestAnswer: { [store] in store.fastestFirstByte })
         // Regions as large as the largest part: a grown part never takes a mapping of its own
         // beside the recycled ones (only the pages a part touches become resident).
         let part = Int(max(maxPartSize, Int64(config.blockSize)))
