@@ -203,6 +203,65 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         cache.release(o)
     }
 
+    /// Index pages written past the page cache are built from the index in memory: 8 threads
+    /// storing single blocks of one object at once, all of whose entries share one page, must
+    /// leave every entry on disk (a page built before another writer's entry and written after
+    /// it would drop that entry), as a reopened cache shows.
+    @Test func indexEntriesStoredSideBySideAllSurviveReopeningTheCache() throws {
+        var m = meta
+        m.size = 4 << 20  // 256 blocks of 16 KiB: their 2 KiB of entries lie in the first page
+        let bytes = pattern(Int(m.size), seed: 11)
+        let buffer = aligned(bytes)
+        defer { buffer.deallocate() }
+        let block = 16 << 10
+        do {
+            let cache = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: block)
+            let o = try #require(cache.acquire(endpoint: "e", meta: m))
+            let address = Int(bitPattern: buffer.baseAddress)
+            DispatchQueue.concurrentPerform(iterations: 8) { t in
+                for b in stride(from: t, to: 256, by: 8) {
+                    let slice = UnsafeRawBufferPointer(start: UnsafeRawPointer(bitPattern: address)! + b * block, count: block)
+                    o.store(first: b, slice, ahead: t % 2 == 0)
+                }
+            }
+            #expect(o.storedBytes == m.size)
+            cache.release(o)
+        }
+        let again = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: block)
+        let o = try #require(again.acquire(endpoint: "e", meta: m))
+        let missing = (0..<256).filter { !o.isCached($0) }
+        #expect(missing.isEmpty, "blocks without an entry on disk: \(missing)")
+        var whole = [UInt8](repeating: 0, count: bytes.count)
+        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
+        #expect(whole.elementsEqual(bytes))  // a Bool: no element-wise diff of 4 MiB
+        again.release(o)
+    }
+
+    /// Read-ahead allocates its data 16 MiB at a time, once (allocating waits for every direct
+    /// write of the file under way: once per part queued 8 readers' writers behind each
+    /// other); a reader's own miss, random reads mostly, allocates no more than its blocks.
+    @Test func readAheadAllocatesWholeChunksOnceAReadersMissOnlyItsBlocks() throws {
+        var m = meta
+        m.size = 40 << 20
+        let part = aligned(pattern(2 << 20, seed: 3))
+        defer { part.deallocate() }
+        let cache = try BlockCache(directory: dir, capacity: 256 << 20, blockSize: 16 << 10)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        func allocated() -> Int64 {
+            var st = stat()
+            _ = stat(o.path, &st)
+            return Int64(st.st_blocks) * 512 - o.overheadBytes
+        }
+        o.store(first: 0, UnsafeRawBufferPointer(part), ahead: true)
+        #expect(allocated() >= 16 << 20 && allocated() < 17 << 20, "allocated \(allocated())")
+        o.store(first: 128, UnsafeRawBufferPointer(part), ahead: true)  // the same chunk
+        #expect(allocated() < 17 << 20, "allocated \(allocated())")
+        // A miss at 32 MiB, in a chunk nothing was read ahead into: its 2 MiB only.
+        o.store(first: 2048, UnsafeRawBufferPointer(part))
+        #expect(allocated() >= 18 << 20 && allocated() < 19 << 20, "allocated \(allocated())")
+        cache.release(o)
+    }
+
     @Test func unalignedBuffersAndOffsetsAreWrittenBufferedAndReadBackWhole() throws {
         var m = meta
         m.size = 70_000

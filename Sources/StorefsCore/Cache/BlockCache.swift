@@ -424,6 +424,11 @@ final class CachedObject: Sendable {
         var expected: UInt32?
         /// Every block was there and their combined CRC32C matched `expected`.
         var verified = false
+        /// Data chunks (`allocationChunk` bytes each, from the data offset) allocated ahead of
+        /// the read-ahead writes into them (`allocate`); a block evicted from one forgets it.
+        var allocatedChunks = Set<Int>()
+        /// The index pages are allocated, so writing one is an overwrite (`writeEntries`).
+        var indexAllocated = false
     }
 
     /// What storing blocks did to the object as a whole (docs/integrity.md).
@@ -449,6 +454,15 @@ final class CachedObject: Sendable {
     /// They allocate their range first, so each is an overwrite, which ext4 lets run under a
     /// shared inode lock (docs/architecture.md, "Cache writes").
     private let writing = NSLock()
+    /// Index pages written past the page cache are built from the index in memory and written
+    /// under this lock, one at a time: the last write of a page holds every entry set before it.
+    private let indexWriting = NSLock()
+
+    /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
+    /// lock exclusively and waits for every direct write under way, so one `fallocate` per run
+    /// (2–4 MiB) queued 8 readers' writers behind each other (docs/architecture.md, "Cache
+    /// writes"). What a chunk holds beyond the blocks written is at most this per file.
+    static let allocationChunk: Int64 = 16 << 20
 
     init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex) {
         self.cache = cache
@@ -591,7 +605,7 @@ final class CachedObject: Sendable {
     /// each run of absent blocks with one data write and one index write.
     /// `readSoon`: the bytes will be read back from this file moments from now, so they go
     /// through the page cache, where that read finds them (docs/architecture.md, "Cache writes").
-    func store(first: Int, _ bytes: UnsafeRawBufferPointer, readSoon: Bool = false) {
+    func store(first: Int, _ bytes: UnsafeRawBufferPointer, readSoon: Bool = false, ahead: Bool = false) {
         let serial = readSoon || state.withLock { $0.directFD < 0 || $0.directRefused }
         if serial { writing.lock() }
         defer { if serial { writing.unlock() } }
@@ -630,7 +644,9 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let (fd, direct) = state.withLock { ($0.fd, readSoon || $0.directRefused ? -1 : $0.directFD) }
+            let (fd, direct, indexDirect) = state.withLock { s in
+                (s.fd, readSoon || s.directRefused ? -1 : s.directFD, s.directRefused ? -1 : s.directFD)
+            }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return
@@ -638,6 +654,7 @@ final class CachedObject: Sendable {
             // Data first, then the index entries: a crash in between leaves blocks that are
             // simply absent. The data goes past the page cache where it can (`DirectWrites`).
             var stillDirect = direct
+            if direct >= 0 { allocate(blocks: runFirst..<runEnd, direct: direct, ahead: ahead) }
             let wrote = DirectWrites.write(run, at: format.blockOffset(runFirst), buffered: fd, direct: &stillDirect)
             if stillDirect != direct { state.withLock { $0.directRefused = true } }
             guard wrote else {
@@ -645,23 +662,108 @@ final class CachedObject: Sendable {
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
                 return
             }
-            let encoded = CacheFileFormat.encode(entries)
-            let written = encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(runFirst))) }
-            guard written == encoded.count else {
+            if indexDirect >= 0 {
+                // Set in memory first, then written from it (the data is on disk already).
+                let duplicate = setEntries(entries, from: runFirst)
+                if duplicate > 0 { cache.unreserve(duplicate) }
+                if !writeEntryPages(runFirst..<runEnd, direct: indexDirect) {
+                    guard errno == EINVAL, writeEntries(entries, from: runFirst, fd: fd) else {
+                        cache.degrade("cannot write a cache index entry: \(String(cString: strerror(errno)))")
+                        return
+                    }
+                }
+                continue
+            }
+            guard writeEntries(entries, from: runFirst, fd: fd) else {
                 cache.unreserve(cost)
                 cache.degrade("cannot write a cache index entry: \(String(cString: strerror(errno)))")
                 return
             }
-            let t = cache.tick()
-            let duplicate = state.withLock { s -> Int64 in
-                var dup: Int64 = 0
-                for k in runFirst..<runEnd {
-                    if s.index.isPresent(k) { dup += Self.diskBytes(Int(s.index[k].length)) }
-                    s.index.set(k, entries[k - runFirst], tick: t)
-                }
-                return dup
-            }
+            let duplicate = setEntries(entries, from: runFirst)
             if duplicate > 0 { cache.unreserve(duplicate) }
+        }
+    }
+
+    /// Sets index entries in memory from block `first` on; returns the disk bytes of blocks
+    /// that were present already (stored twice: counted once).
+    private func setEntries(_ entries: [CacheFileFormat.Entry], from first: Int) -> Int64 {
+        let t = cache.tick()
+        return state.withLock { s -> Int64 in
+            var dup: Int64 = 0
+            for (i, e) in entries.enumerated() {
+                if s.index.isPresent(first + i) { dup += Self.diskBytes(Int(s.index[first + i].length)) }
+                s.index.set(first + i, e, tick: t)
+            }
+            return dup
+        }
+    }
+
+    /// Writes entries through the page cache (a file with no direct descriptor).
+    private func writeEntries(_ entries: [CacheFileFormat.Entry], from first: Int, fd: Int32) -> Bool {
+        let encoded = CacheFileFormat.encode(entries)
+        return encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(first))) } == encoded.count
+    }
+
+    /// Writes the index pages that hold the entries of `blocks` past the page cache, each built
+    /// whole (header, entries) from the index in memory. A buffered write of a few entries
+    /// takes the file's inode lock exclusively and so waits for every direct data write under
+    /// way, and holds up the ones after it; a direct overwrite of a whole page runs beside
+    /// them. The index pages are allocated on the first write (so every later one is an
+    /// overwrite): as much as the cap counts for them (`overheadBytes`). False on a failed
+    /// write (errno says why: EINVAL, the device refused the alignment).
+    private func writeEntryPages(_ blocks: Range<Int>, direct: Int32) -> Bool {
+        let page = DirectWrites.alignment
+        let from = Int(format.entryOffset(blocks.lowerBound)) / page * page
+        let to = (Int(format.entryOffset(blocks.upperBound)) + page - 1) / page * page
+        let pages = UnsafeMutableRawBufferPointer.allocate(byteCount: to - from, alignment: page)
+        defer { pages.deallocate() }
+        indexWriting.lock()
+        defer { indexWriting.unlock() }
+        let allocate = state.withLock { s -> Bool in
+            pages.initializeMemory(as: UInt8.self, repeating: 0)
+            if from == 0 {
+                let header = format.encodeHeader()
+                header.withUnsafeBytes { pages.copyMemory(from: $0) }
+            }
+            let firstEntry = max(0, (from - CacheFileFormat.headerSize) / CacheFileFormat.entrySize)
+            let endEntry = min(format.blockCount, (to - CacheFileFormat.headerSize) / CacheFileFormat.entrySize)
+            if firstEntry < endEntry {
+                for b in firstEntry..<endEntry where s.index.isPresent(b) {
+                    let at = Int(format.entryOffset(b)) - from
+                    let e = s.index[b]
+                    pages.storeBytes(of: e.crc.littleEndian, toByteOffset: at, as: UInt32.self)
+                    pages.storeBytes(of: e.length.littleEndian, toByteOffset: at + 4, as: UInt32.self)
+                }
+            }
+            defer { s.indexAllocated = true }
+            return !s.indexAllocated
+        }
+        if allocate { SparseFile.allocate(direct, offset: 0, length: min(format.dataOffset, overheadBytes)) }
+        return pwrite(direct, pages.baseAddress, pages.count, off_t(from)) == pages.count
+    }
+
+    /// Allocates the data of `blocks` before a direct write into them, so that the write is an
+    /// overwrite, which ext4 runs under a shared inode lock beside the file's other writers.
+    /// Read-ahead (`ahead`) allocates whole `allocationChunk`s once each; a reader's own miss
+    /// (random reads, mostly) only its own range.
+    private func allocate(blocks: Range<Int>, direct: Int32, ahead: Bool) {
+        let bs = Int64(format.blockSize)
+        let from = Int64(blocks.lowerBound) * bs
+        let to = min(format.objectSize, Int64(blocks.upperBound) * bs)
+        guard ahead else {
+            SparseFile.allocate(direct, offset: format.dataOffset + from, length: to - from)
+            return
+        }
+        let chunk = Self.allocationChunk
+        let missing = state.withLock { s in
+            (Int(from / chunk)...Int((to - 1) / chunk)).filter { !s.allocatedChunks.contains($0) }
+        }
+        for c in missing {
+            let start = Int64(c) * chunk
+            let length = min(chunk, format.objectSize - start)
+            if SparseFile.allocate(direct, offset: format.dataOffset + start, length: length) {
+                state.withLock { _ = $0.allocatedChunks.insert(c) }
+            }
         }
     }
 
@@ -754,6 +856,8 @@ final class CachedObject: Sendable {
             s.index.forEachPresent { _, e, _ in freed += Self.diskBytes(Int(e.length)) }
             s.index.removeAll()
             s.verified = false
+            s.allocatedChunks.removeAll()
+            s.indexAllocated = false
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
             guard fd >= 0 else { return freed }
@@ -782,6 +886,7 @@ final class CachedObject: Sendable {
             guard entry.length != 0 else { return 0 }
             s.index.set(block, .absent, tick: 0)
             s.verified = false  // complete again later: checked again then
+            s.allocatedChunks.remove(Int(Int64(block) * Int64(format.blockSize) / Self.allocationChunk))
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
             if fd >= 0 {

@@ -31,9 +31,15 @@ enum Checksum {
     }
 }
 
-/// Hole punching for evicted blocks.
+/// Hole punching for evicted blocks, and allocation ahead of direct writes.
 enum SparseFile {
     static func punchHole(_ fd: Int32, offset: Int64, length: Int64) -> Bool {
         cblockcache_punch_hole(fd, off_t(offset), off_t(length)) == 0
+    }
+
+    /// Allocates the range's disk space (unwritten, the file's size unchanged).
+    @discardableResult
+    static func allocate(_ fd: Int32, offset: Int64, length: Int64) -> Bool {
+        cblockcache_allocate(fd, off_t(offset), off_t(length)) == 0
     }
 }

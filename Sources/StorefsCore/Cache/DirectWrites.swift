@@ -42,9 +42,9 @@ enum DirectWrites {
         if direct >= 0, let base = bytes.baseAddress, Int(bitPattern: base) % alignment == 0,
            offset % Int64(alignment) == 0, bytes.count >= alignment {
             let aligned = bytes.count / alignment * alignment
-            // Allocated first, the write is an overwrite, which the filesystem lets run beside
-            // other writers of the file (ext4 takes its inode lock shared only for those).
-            _ = cblockcache_allocate(direct, off_t(offset), off_t(aligned))
+            // The caller allocated the range (`CachedObject.allocate`): the write is an
+            // overwrite, which the filesystem lets run beside other writers of the file (ext4
+            // takes its inode lock shared only for those).
             let n = pwrite(direct, base, aligned, off_t(offset))
             if n == aligned {
                 done = aligned

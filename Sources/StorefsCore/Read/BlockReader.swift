@@ -758,7 +758,7 @@ public final class BlockReader: Sendable {
             // copy; past it, a disk read per FUSE request, and the disk carries every byte twice
             // (docs/architecture.md, "Cache writes").
             cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer),
-                         readSoon: flight.isReadAhead && !transfers.isNear)
+                         readSoon: flight.isReadAhead && !transfers.isNear, ahead: flight.isReadAhead)
             stream.flights.stored(flight)
             if case .mismatch = stream.flights.deciding({ cached.checkIfComplete() }) {
                 // Completed by a write made after its bytes were served (a cache copy written
