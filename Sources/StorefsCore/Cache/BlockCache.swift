@@ -425,10 +425,14 @@ final class CachedObject: Sendable {
         /// Every block was there and their combined CRC32C matched `expected`.
         var verified = false
         /// Data chunks (`allocationChunk` bytes each, from the data offset) allocated ahead of
-        /// the read-ahead writes into them (`allocate`); a block evicted from one forgets it.
+        /// the read-ahead writes into them (`allocate`). A block evicted from one leaves a hole
+        /// in it: a write there is then no overwrite, slower beside other writers, still right.
         var allocatedChunks = Set<Int>()
         /// The index pages are allocated, so writing one is an overwrite (`writeEntries`).
         var indexAllocated = false
+        /// The file's allocation was checked against its blocks since this mount opened it
+        /// (`trimAllocation`).
+        var allocationChecked = false
     }
 
     /// What storing blocks did to the object as a whole (docs/integrity.md).
@@ -461,8 +465,13 @@ final class CachedObject: Sendable {
     /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
     /// lock exclusively and waits for every direct write under way, so one `fallocate` per run
     /// (2–4 MiB) queued 8 readers' writers behind each other (docs/architecture.md, "Cache
-    /// writes"). What a chunk holds beyond the blocks written is at most this per file.
-    static let allocationChunk: Int64 = 16 << 20
+    /// writes"). What a chunk holds beyond the blocks written is disk the cap does not count,
+    /// so a chunk is at most 1/64 of the cap, none below 4 MiB (then each run allocates its
+    /// own range), and the rest of a file's chunks is let go when its last user closes it.
+    private var allocationChunk: Int64 {
+        let chunk = min(16 << 20, cache.capacity / 64) / Int64(format.blockSize) * Int64(format.blockSize)
+        return chunk >= 4 << 20 ? chunk : 0
+    }
 
     init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex) {
         self.cache = cache
@@ -510,6 +519,10 @@ final class CachedObject: Sendable {
                     s.directFD = DirectWrites.reopen(s.fd) ?? -1
                     if s.directFD < 0 { cache.noteNoDirectWrites() }
                 }
+                if s.fd >= 0, !s.allocationChecked {
+                    s.allocationChecked = true
+                    trimAllocation(&s)
+                }
             }
         }
     }
@@ -518,6 +531,10 @@ final class CachedObject: Sendable {
         state.withLock { s in
             s.users -= 1
             if s.users == 0 && s.fd >= 0 {
+                // Nobody writes it now (a cache copy keeps the file open): what the chunks
+                // allocated ahead hold beyond the blocks written goes.
+                for c in s.allocatedChunks { punchAbsent(&s, in: chunkBlocks(c)) }
+                s.allocatedChunks.removeAll()
                 futimens(s.fd, nil)  // the file's mtime is its recency for the next mount's LRU
                 Glibc.close(s.fd)
                 s.fd = -1
@@ -742,6 +759,52 @@ final class CachedObject: Sendable {
         return pwrite(direct, pages.baseAddress, pages.count, off_t(from)) == pages.count
     }
 
+    /// The blocks of allocation chunk `c`.
+    private func chunkBlocks(_ c: Int) -> Range<Int> {
+        let perChunk = Int(allocationChunk / Int64(format.blockSize))
+        return min(format.blockCount, c * perChunk)..<min(format.blockCount, (c + 1) * perChunk)
+    }
+
+    /// Punches every run of absent blocks in `blocks` (under the state lock, with the file open).
+    private func punchAbsent(_ s: inout State, in blocks: Range<Int>) {
+        var b = blocks.lowerBound
+        while b < blocks.upperBound {
+            while b < blocks.upperBound, s.index.isPresent(b) { b += 1 }
+            var e = b
+            while e < blocks.upperBound, !s.index.isPresent(e) { e += 1 }
+            if e > b {
+                let from = Int64(b) * Int64(format.blockSize)
+                let to = min(format.objectSize, Int64(e) * Int64(format.blockSize))
+                _ = SparseFile.punchHole(s.fd, offset: format.dataOffset + from, length: to - from)
+            }
+            b = e
+        }
+    }
+
+    /// A file that holds more disk than its blocks and index (chunks allocated ahead by a
+    /// daemon killed before it closed the file) lets the rest go, the first time a mount opens it.
+    private func trimAllocation(_ s: inout State) {
+        var st = stat()
+        guard fstat(s.fd, &st) == 0 else { return }
+        var stored: Int64 = 0
+        var present: [Int] = []
+        s.index.forEachPresent { b, e, _ in
+            stored += Self.diskBytes(Int(e.length))
+            present.append(b)
+        }
+        guard Int64(st.st_blocks) * 512 > overheadBytes + stored + (1 << 20) else { return }
+        present.sort()
+        var next = 0
+        for b in present + [format.blockCount] {
+            if b > next {
+                let from = Int64(next) * Int64(format.blockSize)
+                let to = min(format.objectSize, Int64(b) * Int64(format.blockSize))
+                _ = SparseFile.punchHole(s.fd, offset: format.dataOffset + from, length: to - from)
+            }
+            next = b + 1
+        }
+    }
+
     /// Allocates the data of `blocks` before a direct write into them, so that the write is an
     /// overwrite, which ext4 runs under a shared inode lock beside the file's other writers.
     /// Read-ahead (`ahead`) allocates whole `allocationChunk`s once each; a reader's own miss
@@ -750,11 +813,11 @@ final class CachedObject: Sendable {
         let bs = Int64(format.blockSize)
         let from = Int64(blocks.lowerBound) * bs
         let to = min(format.objectSize, Int64(blocks.upperBound) * bs)
-        guard ahead else {
+        let chunk = allocationChunk
+        guard ahead, chunk > 0 else {
             SparseFile.allocate(direct, offset: format.dataOffset + from, length: to - from)
             return
         }
-        let chunk = Self.allocationChunk
         let missing = state.withLock { s in
             (Int(from / chunk)...Int((to - 1) / chunk)).filter { !s.allocatedChunks.contains($0) }
         }
@@ -886,7 +949,6 @@ final class CachedObject: Sendable {
             guard entry.length != 0 else { return 0 }
             s.index.set(block, .absent, tick: 0)
             s.verified = false  // complete again later: checked again then
-            s.allocatedChunks.remove(Int(Int64(block) * Int64(format.blockSize) / Self.allocationChunk))
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
             if fd >= 0 {
