@@ -458,8 +458,9 @@ final class CachedObject: Sendable {
     /// They allocate their range first, so each is an overwrite, which ext4 lets run under a
     /// shared inode lock (docs/architecture.md, "Cache writes").
     private let writing = NSLock()
-    /// Index pages written past the page cache are built from the index in memory and written
-    /// under this lock, one at a time: the last write of a page holds every entry set before it.
+    /// Index entries are set in memory and written under this lock, one write at a time per
+    /// file: a page built from memory (`writeEntryPages`) holds every entry set before it, and
+    /// no entry is written after a page built without it.
     private let indexWriting = NSLock()
 
     /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
@@ -661,9 +662,7 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let (fd, direct, indexDirect) = state.withLock { s in
-                (s.fd, readSoon || s.directRefused ? -1 : s.directFD, s.directRefused ? -1 : s.directFD)
-            }
+            let (fd, direct) = state.withLock { ($0.fd, readSoon || $0.directRefused ? -1 : $0.directFD) }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return
@@ -679,25 +678,23 @@ final class CachedObject: Sendable {
                 cache.degrade("cannot write a cached block: \(String(cString: strerror(errno)))")
                 return
             }
-            if indexDirect >= 0 {
-                // Set in memory first, then written from it (the data is on disk already).
-                let duplicate = setEntries(entries, from: runFirst)
-                if duplicate > 0 { cache.unreserve(duplicate) }
-                if !writeEntryPages(runFirst..<runEnd, direct: indexDirect) {
-                    guard errno == EINVAL, writeEntries(entries, from: runFirst, fd: fd) else {
-                        cache.degrade("cannot write a cache index entry: \(String(cString: strerror(errno)))")
-                        return
-                    }
-                }
-                continue
-            }
-            guard writeEntries(entries, from: runFirst, fd: fd) else {
-                cache.unreserve(cost)
-                cache.degrade("cannot write a cache index entry: \(String(cString: strerror(errno)))")
+            // The index entries: set in memory first (the data is on disk already), then
+            // written, the way the data went: past the page cache as whole pages built from
+            // memory beside direct data writes, buffered beside buffered ones (which hold the
+            // file's `writing` lock anyway; a page written direct would wait for the disk).
+            // Every index write of a file holds `indexWriting`, so a page built from memory
+            // never overwrites an entry written after it was built.
+            indexWriting.lock()
+            let duplicate = setEntries(entries, from: runFirst)
+            var indexed = stillDirect >= 0 && writeEntryPages(runFirst..<runEnd, direct: stillDirect)
+            if !indexed, stillDirect < 0 || errno == EINVAL { indexed = writeEntries(entries, from: runFirst, fd: fd) }
+            let failure = errno
+            indexWriting.unlock()
+            if duplicate > 0 { cache.unreserve(duplicate) }
+            guard indexed else {
+                cache.degrade("cannot write a cache index entry: \(String(cString: strerror(failure)))")
                 return
             }
-            let duplicate = setEntries(entries, from: runFirst)
-            if duplicate > 0 { cache.unreserve(duplicate) }
         }
     }
 
@@ -727,15 +724,14 @@ final class CachedObject: Sendable {
     /// way, and holds up the ones after it; a direct overwrite of a whole page runs beside
     /// them. The index pages are allocated on the first write (so every later one is an
     /// overwrite): as much as the cap counts for them (`overheadBytes`). False on a failed
-    /// write (errno says why: EINVAL, the device refused the alignment).
+    /// write (errno says why: EINVAL, the device refused the alignment). The caller holds
+    /// `indexWriting`.
     private func writeEntryPages(_ blocks: Range<Int>, direct: Int32) -> Bool {
         let page = DirectWrites.alignment
         let from = Int(format.entryOffset(blocks.lowerBound)) / page * page
         let to = (Int(format.entryOffset(blocks.upperBound)) + page - 1) / page * page
         let pages = UnsafeMutableRawBufferPointer.allocate(byteCount: to - from, alignment: page)
         defer { pages.deallocate() }
-        indexWriting.lock()
-        defer { indexWriting.unlock() }
         let allocate = state.withLock { s -> Bool in
             pages.initializeMemory(as: UInt8.self, repeating: 0)
             if from == 0 {
