@@ -783,12 +783,10 @@ final class CachedObject: Sendable {
         var st = stat()
         guard fstat(s.fd, &st) == 0 else { return }
         var stored: Int64 = 0
-        var present: [Int] = []
-        s.index.forEachPresent { b, e, _ in
-            stored += Self.diskBytes(Int(e.length))
-            present.append(b)
-        }
+        s.index.forEachPresent { _, e, _ in stored += Self.diskBytes(Int(e.length)) }
         guard Int64(st.st_blocks) * 512 > overheadBytes + stored + (1 << 20) else { return }
+        var present: [Int] = []
+        s.index.forEachPresent { b, _, _ in present.append(b) }
         present.sort()
         var next = 0
         for b in present + [format.blockCount] {
@@ -910,7 +908,11 @@ final class CachedObject: Sendable {
 
     /// Drops every block (index and disk) at once; returns the disk bytes freed.
     func evictAll() -> Int64 {
-        state.withLock { s -> Int64 in
+        // Under `indexWriting`: an index page built before this and written after it would
+        // bring the entries back (their blocks then fail their checks: refetched, but untidy).
+        indexWriting.lock()
+        defer { indexWriting.unlock() }
+        return state.withLock { s -> Int64 in
             var freed: Int64 = 0
             s.index.forEachPresent { _, e, _ in freed += Self.diskBytes(Int(e.length)) }
             s.index.removeAll()
@@ -940,7 +942,9 @@ final class CachedObject: Sendable {
     /// is used under the lock that guards its lifetime: a descriptor closed and reused meanwhile
     /// would otherwise take these writes into another file.
     func evict(block: Int) -> Int64 {
-        state.withLock { s -> Int64 in
+        indexWriting.lock()  // as in `evictAll`
+        defer { indexWriting.unlock() }
+        return state.withLock { s -> Int64 in
             let entry = s.index[block]
             guard entry.length != 0 else { return 0 }
             s.index.set(block, .absent, tick: 0)
