@@ -11,6 +11,13 @@ func temporaryDirectory() -> String {
     return path
 }
 
+/// Disk space a file takes (its allocated blocks, written or not).
+func allocatedBytes(_ path: String) -> Int64 {
+    var st = stat()
+    _ = stat(path, &st)
+    return Int64(st.st_blocks) * 512
+}
+
 func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
     (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 31 &+ Int(seed) &+ ($0 >> 11)) }
 }
@@ -249,11 +256,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         defer { part.deallocate() }
         let cache = try BlockCache(directory: dir, capacity: 1 << 30, blockSize: 16 << 10)
         let o = try #require(cache.acquire(endpoint: "e", meta: m))
-        func allocated(_ o: CachedObject) -> Int64 {
-            var st = stat()
-            _ = stat(o.path, &st)
-            return Int64(st.st_blocks) * 512 - o.overheadBytes
-        }
+        func allocated(_ o: CachedObject) -> Int64 { allocatedBytes(o.path) - o.overheadBytes }
         o.store(first: 0, UnsafeRawBufferPointer(part), ahead: true)
         #expect(allocated(o) >= 16 << 20 && allocated(o) < 17 << 20, "allocated \(allocated(o))")
         o.store(first: 128, UnsafeRawBufferPointer(part), ahead: true)  // the same chunk
@@ -293,11 +296,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(fd >= 0)
         #expect(posix_fallocate(fd, 8 << 20, 24 << 20) == 0)  // inside the file: its size unchanged
         close(fd)
-        func allocated() -> Int64 {
-            var st = stat()
-            _ = stat(path, &st)
-            return Int64(st.st_blocks) * 512
-        }
+        func allocated() -> Int64 { allocatedBytes(path) }
         #expect(allocated() > 24 << 20)
         let again = try BlockCache(directory: dir, capacity: 1 << 30, blockSize: 16 << 10)
         let o = try #require(again.acquire(endpoint: "e", meta: m))
