@@ -41,3 +41,76 @@ import Testing
         #expect(pool.keptBytes.all <= 8 * Self.mib + 2 * Self.mib)
     }
 }
+
+/// What one reader's pools keep, together (docs/architecture.md, "Adaptive transfers": Buffers).
+@Suite struct DownloadBufferBoundTests {
+    static let mib = 1 << 20
+
+    /// Regions a 32 MiB part touched, reused for a 2 MiB one while the pool is over its bound,
+    /// give the pages past the part back: the budget counts 2 MiB for it.
+    @Test func aLargeRegionReusedForASmallPartLetsTheRestGoWhenOverTheBound() {
+        let pool = FlightBufferPool(regionSize: 32 * Self.mib, keepBytes: 16 * Self.mib)
+        let a = FlightBufferPoolTests().touched(pool, 8 * Self.mib)
+        let b = FlightBufferPoolTests().touched(pool, 8 * Self.mib)
+        pool.give(b)
+        pool.give(a)
+        #expect(pool.keptBytes.all == 16 * Self.mib)
+        // A part grown to 32 MiB takes one region: 40 MiB resident while it is in use.
+        let grown = FlightBufferPoolTests().touched(pool, 32 * Self.mib)
+        #expect(pool.keptBytes.all == 40 * Self.mib)
+        // A 2 MiB part takes the other (8 MiB touched): 6 MiB of it go back.
+        let small = FlightBufferPoolTests().touched(pool, 2 * Self.mib)
+        #expect(pool.keptBytes.all == 34 * Self.mib, "\(pool.keptBytes)")
+        pool.give(small)
+        pool.give(grown)
+        #expect(pool.keptBytes.all <= 16 * Self.mib)
+        pool.releaseIfIdle(for: 0)
+    }
+
+    /// A sequential reader fills the part pool, then 16 readers' own misses at once fill the
+    /// request pool: what both keep afterwards stays within memory_limit. Each with a bound of
+    /// its own (the parts' the whole limit, the requests' 32 regions) they kept twice it.
+    @Test func buffersKeptByBothPoolsStayWithinMemoryLimit() throws {
+        let store = MemoryStore()
+        store.put("seq", [UInt8](repeating: 7, count: 48 << 20))
+        store.put("rand", [UInt8](repeating: 9, count: 32 << 20))
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+        let limit = 16 * Self.mib
+        let config = BlockReader.Config(blockSize: 16 << 10, readAhead: 8 << 20, parallel: 2, partSize: 2 << 20,
+                                        memoryLimit: Int64(limit))
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: config)
+        defer { reader.finishPendingWork(timeout: 10) }
+        @Sendable func read(_ stream: BlockReader.Stream, at offset: Int64, count: Int) throws {
+            var out = [UInt8](repeating: 0, count: count)
+            if !out.withUnsafeMutableBytes({ reader.readCached(stream, at: offset, into: $0) }) {
+                try out.withUnsafeMutableBytes { try reader.read(stream, at: offset, into: $0, observed: true, isCancelled: nil) }
+            }
+        }
+        let seq = reader.openStream(try store.metadata(of: "seq"))
+        for i in 0..<48 { try read(seq, at: Int64(i) << 20, count: 1 << 20) }
+        reader.finishPendingWork(timeout: 10)
+        reader.closeStream(seq)
+        #expect(budgetSettles(reader))
+        // 16 readers' first reads of 1 MiB each, at once (every download takes 50 ms), in the
+        // other object: each miss takes a request-sized region.
+        store.delayReads(0.05)
+        let meta = try store.metadata(of: "rand")
+        let streams = (0..<16).map { _ in reader.openStream(meta) }
+        let group = DispatchGroup()
+        for i in 0..<16 {
+            group.enter()
+            Thread.detachNewThread {
+                try? read(streams[i], at: Int64(i * 2) << 20, count: 1 << 20)
+                group.leave()
+            }
+        }
+        group.wait()
+        store.delayReads(0)
+        reader.finishPendingWork(timeout: 10)
+        for s in streams { reader.closeStream(s) }
+        #expect(budgetSettles(reader))
+        let kept = reader.buffers.keptBytes.all + reader.requestBuffers.keptBytes.all
+        #expect(reader.requestBuffers.keptBytes.all > 0, "the readers' misses used request-sized regions")
+        #expect(kept <= limit, "parts \(reader.buffers.keptBytes.all), requests \(reader.requestBuffers.keptBytes.all)")
+    }
+}

@@ -104,13 +104,16 @@ public final class BlockReader: Sendable {
         // beside the recycled ones (only the pages a part touches become resident).
         let part = Int(max(maxPartSize, Int64(config.blockSize)))
         let request = FuseLimits.maxRequest + config.blockSize
-        // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped,
-        // up to what memory_limit allows resident.
-        buffers = FlightBufferPool(regionSize: max(part, request), keepBytes: Int(config.memoryLimit))
         // Readers' own misses: one a read worker (16) or a prefetch thread running a reader's
         // part at a time, all counted (in use or free), so the bound must hold them all or a
-        // busy mount unmaps and faults in a region on every miss.
-        requestBuffers = FlightBufferPool(regionSize: request, keepBytes: 32 * request)
+        // busy mount unmaps and faults in a region on every miss. It is carved out of
+        // memory_limit, not added to it: with a bound of its own beside the parts' (the whole
+        // limit), 8 readers through `wan` peaked at 320–328 MiB, over 64 MiB + memory_limit.
+        let requestKeep = min(32 * request, Int(config.memoryLimit) / 8)
+        requestBuffers = FlightBufferPool(regionSize: request, keepBytes: requestKeep)
+        // Parts downloading plus parts waiting for their cache write: recycled, not re-mapped,
+        // up to the rest of what memory_limit allows resident.
+        buffers = FlightBufferPool(regionSize: max(part, request), keepBytes: Int(config.memoryLimit) - requestKeep)
     }
 
     /// Read-ahead parts take part-sized regions; demand downloads (at most one FUSE request

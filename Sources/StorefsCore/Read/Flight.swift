@@ -129,7 +129,10 @@ final class Flight: @unchecked Sendable {
 /// either kept too few (8 MiB parts in 32 MiB regions: 24 parts in flight re-faulted two
 /// thirds of their pages on every part) or bounded nothing once parts grew. The bound counts
 /// the regions in use too: with only the free ones counted, free regions up to `memory_limit`
-/// beside parts in flight up to `memory_limit` let 8 readers reach twice that.
+/// beside parts in flight up to `memory_limit` let 8 readers reach twice that. And a recycled
+/// region that holds more than its new part asks gives the rest back while the pool is over
+/// its bound: a region a 32 MiB part touched, reused for an 8 MiB one, held 32 MiB against
+/// the budget's 8.
 final class FlightBufferPool: @unchecked Sendable {
     let regionSize: Int
     /// Resident bytes all regions, in use or free, may hold before a freed one is unmapped.
@@ -182,7 +185,13 @@ final class FlightBufferPool: @unchecked Sendable {
             lastUse = now()
             if let r = free.popLast() {
                 freeBytes -= r.touched
-                let held = max(r.touched, length)
+                var held = max(r.touched, length)
+                let needed = (length + 4095) / 4096 * 4096
+                if held > needed, residentBytes + (held - r.touched) > keepBytes {
+                    // The pages past this part go back (a larger part later faults them in again).
+                    madvise(r.region + needed, held - needed, MADV_DONTNEED)
+                    held = needed
+                }
                 residentBytes += held - r.touched
                 touched[r.region] = held
                 lock.unlock()
