@@ -347,13 +347,20 @@ func makeOperations() -> fuse_lowlevel_ops {
             let later = AfterReply()
             defer { later.run() }  // the cache copy, after the reply
             do {
+                // A read inside one download is replied from its buffer, as hits are (above).
+                var sent = false
                 let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
                                         alreadyNoted: true,
                                         isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) },
-                                        afterReply: later)
-                // Counted before the reply, as hits are (above).
-                OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
-                _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                                        afterReply: later, send: { bytes in
+                                            OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: bytes.count)
+                                            _ = fuse_reply_buf(r.raw, bytes.baseAddress?.assumingMemoryBound(to: CChar.self), bytes.count)
+                                        }, sent: &sent)
+                if !sent {
+                    // Counted before the reply, as hits are (above).
+                    OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
+                    _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
+                }
             } catch let e as FilesystemError {
                 OpTrace.record(.read, inode: inode, errno: reply(r.raw, e), started: started)
             } catch {

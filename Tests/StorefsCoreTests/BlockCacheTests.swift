@@ -591,6 +591,40 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(budgetSettles(reader), "read-ahead nobody read is let go at close")
     }
 
+    /// A read that had to wait for a download lying wholly under it is handed to `send` from the
+    /// download's buffer (no copy into the reply buffer); one that a download only partly holds
+    /// is copied into the reply buffer as before.
+    @Test func aReadInsideOneDownloadIsRepliedFromItsBuffer() throws {
+        let (store, bytes, _, reader) = try streaming(size: 8 << 20, cached: true, readAhead: 4 << 20)
+        store.reportFirstByte(0.0002)
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        defer {
+            reader.finishPendingWork(timeout: 10)
+            reader.closeStream(stream)
+        }
+        var out = [UInt8](repeating: 0, count: 1 << 20)
+        var sent: [UInt8] = []
+        var wasSent = false
+        var sentFrom: UnsafeRawPointer?
+        // The reader's own download of 0..1 MiB.
+        try out.withUnsafeMutableBytes { dst in
+            try reader.read(stream, at: 0, into: dst, observed: false, isCancelled: nil, afterReply: nil,
+                            send: { sent = Array($0); sentFrom = $0.baseAddress }, sent: &wasSent)
+            #expect(sentFrom != UnsafeRawPointer(dst.baseAddress))
+        }
+        #expect(wasSent && sent == Array(bytes[0..<(1 << 20)]), "replied from the download's buffer")
+        #expect(out.allSatisfy { $0 == 0 }, "and not copied into the reply buffer")
+        // 0.5..1.5 MiB: half in the cache (the first download, cached and let go), half in the
+        // read-ahead part 1..3 MiB.
+        reader.finishPendingWork(timeout: 10)
+        wasSent = false
+        try out.withUnsafeMutableBytes { dst in
+            try reader.read(stream, at: 1 << 19, into: dst, observed: false, isCancelled: nil, afterReply: nil,
+                            send: { _ in }, sent: &wasSent)
+        }
+        #expect(!wasSent && out.elementsEqual(bytes[(1 << 19)..<((1 << 19) + (1 << 20))]), "copied into the reply buffer")
+    }
+
     /// On a far link memory is worth more as parts in flight: read-ahead goes once cached, and
     /// the reader takes it from the cache.
     @Test func farFromTheServerReadAheadGoesOnceCached() throws {

@@ -77,16 +77,27 @@ extension Filesystem {
     /// count (0 at or past the end). Blocks on the network on a miss: call from a worker.
     /// `afterReply`, when given, collects work (the cache copy of a download) that the caller
     /// runs once it has replied, on the same thread: no hand-off in front of the reply or after it.
+    /// `send`, as for `readCached`, may be handed the bytes in a download's buffer instead of
+    /// their being copied into `buffer`; `sent` says whether it was.
     public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
                      alreadyNoted: Bool = false, isCancelled: (@Sendable () -> Bool)? = nil,
                      afterReply: AfterReply? = nil) throws(FilesystemError) -> Int {
+        var sent = false
+        return try read(handle, at: offset, into: buffer, alreadyNoted: alreadyNoted, isCancelled: isCancelled,
+                        afterReply: afterReply, send: nil, sent: &sent)
+    }
+
+    public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                     alreadyNoted: Bool, isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply?,
+                     send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) throws(FilesystemError) -> Int {
         let file = try openFile(handle)
         let meta = file.meta
         guard let window = try clamp(meta, offset, buffer) else { return 0 }
+        // Counted before a reply goes out (`send` replies).
         Metrics.shared.cacheRead(hit: false, bytes: window.count)
         do throws(StorageError) {
             try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled,
-                            afterReply: afterReply)
+                            afterReply: afterReply, send: send, sent: &sent)
         } catch {
             if error.code == .generationChanged || error.code == .notFound {
                 // The object was replaced or deleted: this handle keeps failing (it never mixes
