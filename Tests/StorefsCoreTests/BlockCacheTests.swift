@@ -244,15 +244,20 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         again.release(o)
     }
 
+    /// A 40 MiB object (three 16 MiB allocation chunks) and a 2 MiB part of it, page-aligned.
+    func fortyMiBObjectAndAPart(seed: UInt8) -> (ObjectMetadata, UnsafeMutableRawBufferPointer) {
+        var m = meta
+        m.size = 40 << 20
+        return (m, aligned(pattern(2 << 20, seed: seed)))
+    }
+
     /// Read-ahead allocates its data 16 MiB at a time, once (allocating waits for every direct
     /// write of the file under way: once per part queued 8 readers' writers behind each
     /// other); a reader's own miss, random reads mostly, allocates no more than its blocks; and
     /// what the chunks hold beyond the blocks written goes when the file is closed, as the
     /// cap does not count it. A small cap (chunks of 1/64 of it under 4 MiB) allocates per run.
     @Test func readAheadAllocatesWholeChunksOnceAndLetsTheRestGoAtClose() throws {
-        var m = meta
-        m.size = 40 << 20
-        let part = aligned(pattern(2 << 20, seed: 3))
+        let (m, part) = fortyMiBObjectAndAPart(seed: 3)
         defer { part.deallocate() }
         let cache = try BlockCache(directory: dir, capacity: 1 << 30, blockSize: 16 << 10)
         let o = try #require(cache.acquire(endpoint: "e", meta: m))
@@ -279,9 +284,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// written: the next mount lets that go the first time it opens the file, and keeps the
     /// blocks.
     @Test func allocationLeftByAKilledDaemonGoesAtTheNextOpen() throws {
-        var m = meta
-        m.size = 40 << 20
-        let part = aligned(pattern(2 << 20, seed: 4))
+        let (m, part) = fortyMiBObjectAndAPart(seed: 4)
         defer { part.deallocate() }
         let path: String
         do {
