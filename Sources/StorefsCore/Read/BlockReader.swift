@@ -61,6 +61,10 @@ public final class BlockReader: Sendable {
     /// bytes that are not cached fails at once instead of waiting `request_timeout` again.
     public let health: BucketHealth
     private let slowWritesNoted = Atomic<Bool>(false)
+    /// Set at unmount (`finishPendingWork`): read-ahead under way ends as if interrupted, so
+    /// no download retries on past the mount (its transfer within about a second, its
+    /// retry waits at once); finished downloads still get their cache copy.
+    private let stopping = Atomic<Bool>(false)
     /// The downloads in flight (or finished and not yet read), per object generation.
     private let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
     private let pool = Mutex<WorkerPool?>(nil)
@@ -136,6 +140,7 @@ public final class BlockReader: Sendable {
     /// Waits for read-ahead and cache writes under way (unmount): what was read before an
     /// unmount is in the cache after it.
     public func finishPendingWork(timeout: Double) {
+        stopping.store(true, ordering: .relaxed)
         let pool = pool.withLock { $0 }
         // Downloads first: each one may queue a cache write.
         if let pool, !pool.drain(timeout: timeout) {
@@ -601,8 +606,10 @@ public final class BlockReader: Sendable {
                 first.withUnsafeBytes { buffer.baseAddress!.copyMemory(from: $0.baseAddress!, byteCount: have) }
             }
             if have < flight.length {
+                // Read-ahead has no reader to interrupt it: it ends at unmount.
                 try store.read(meta.name, generation: meta.generation, offset: flight.start + Int64(have),
-                               into: UnsafeMutableRawBufferPointer(rebasing: buffer[have...]), isCancelled: isCancelled)
+                               into: UnsafeMutableRawBufferPointer(rebasing: buffer[have...]),
+                               isCancelled: isCancelled ?? { [self] in stopping.load(ordering: .relaxed) })
             } else {
                 asked = false
             }
