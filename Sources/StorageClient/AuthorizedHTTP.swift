@@ -10,6 +10,9 @@ struct AuthorizedHTTP: Sendable {
     let retry: RetryPolicy
     /// How fast the server has answered (its first bytes), storage requests only.
     let fastest = FastestAnswer()
+    /// Answers that say the server serves requests: what lets a failing request retry on
+    /// while others succeed (`RetryPolicy.run`).
+    let answers = AnswerCount()
 
     init(endpoint: String, http: HTTPClient, credentials: Credentials, retry: RetryPolicy) throws(StorageError) {
         var e = endpoint
@@ -40,6 +43,7 @@ struct AuthorizedHTTP: Sendable {
         }
         // Any answer took the server's distance, a 404 as much as the bytes.
         fastest.note(StorageTelemetry.lastFirstByte)
+        if StorageError.servesRequests(response.status) { answers.note() }
         guard (200..<300).contains(response.status) else {
             var error = StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
             error.retryAfter = response.headers["retry-after"].flatMap { Double($0.trimmingCharacters(in: .whitespaces)) }
@@ -63,7 +67,7 @@ struct AuthorizedHTTP: Sendable {
     /// The body of a JSON answer, unparsed (listing pages are read by `ListPageParser`).
     func getJSONBytes(_ url: String, what: String, policy: RetryPolicy? = nil,
                       isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> [UInt8] {
-        try (policy ?? retry).run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
+        try (policy ?? retry).run(isCancelled: isCancelled, answered: answers) { deadline throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
                 try http.get(url, headers: h, limit: Self.jsonLimit, deadline: deadline, isCancelled: isCancelled)
             }
@@ -73,7 +77,7 @@ struct AuthorizedHTTP: Sendable {
     /// Ranged GET into `buffer`, with retries, within the time budget.
     func getRange(_ url: String, what: String, start: Int64, into buffer: UnsafeMutableRawBufferPointer, untilEnd: Bool = false,
                   isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> HTTPResponse {
-        try retry.run(isCancelled: isCancelled) { deadline throws(StorageError) -> HTTPResponse in
+        try retry.run(isCancelled: isCancelled, answered: answers) { deadline throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
                 try http.getRange(url, headers: h, start: start, into: buffer, untilEnd: untilEnd, deadline: deadline,
                                   isCancelled: isCancelled)

@@ -43,9 +43,18 @@ public struct RetryPolicy: Sendable {
 
     /// Runs `body(deadline)` until it succeeds, fails for good, or attempts or budget run out.
     /// `deadline` is on the monotonic clock (`monotonicNow()`).
-    public func run<T>(isCancelled: (@Sendable () -> Bool)? = nil,
+    ///
+    /// `answered` counts the store's answers that say it serves requests. When it moves while
+    /// this operation fails, the bucket is up and this request is the unlucky one (a flaky
+    /// server or path): it gets up to twice `attempts`, still inside the budget, and the error
+    /// it may end with says so (`answeredOthers`: no outage is assumed from it). A lone
+    /// operation against a bucket that answers nothing fails after `attempts` as before.
+    /// (At 10% of requests failing, 5 tries all fail once in 100,000 operations; 10, once in
+    /// 10^10.)
+    public func run<T>(isCancelled: (@Sendable () -> Bool)? = nil, answered: AnswerCount? = nil,
                        _ body: (_ deadline: Double) throws(StorageError) -> T) throws(StorageError) -> T {
         let deadline = monotonicNow() + budget
+        let answersBefore = answered?.value
         var delay = firstDelay
         var attempt = 1
         let outer = StorageTelemetry.attempt  // a token fetch runs inside a read's try
@@ -55,7 +64,10 @@ public struct RetryPolicy: Sendable {
                 StorageTelemetry.attempt = attempt
                 return try body(deadline)
             } catch {
-                guard attempt < attempts, isRetryable(error) else { throw error }
+                var error = error
+                error.answeredOthers = answersBefore != nil && answered?.value != answersBefore
+                let limit = error.answeredOthers ? 2 * attempts : attempts
+                guard attempt < limit, isRetryable(error) else { throw error }
                 var wait = delay * Double.random(in: 0.5...1.0)
                 if let asked = error.retryAfter {
                     guard asked <= Self.maxRetryAfter else { throw error }

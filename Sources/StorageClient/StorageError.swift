@@ -37,6 +37,9 @@ public struct StorageError: Error, Sendable, CustomStringConvertible {
     /// The error body was not a storage API's JSON error (`{"error": {...}}`): what answered
     /// may not be a storage API at all (a web server at the wrong endpoint).
     public var notAnAPIAnswer = false
+    /// The store answered other requests while this operation was failing (`RetryPolicy`):
+    /// the request failed, the bucket is not down (no outage is assumed from it).
+    public var answeredOthers = false
     public let file: String
     public let line: Int
 
@@ -68,5 +71,13 @@ public struct StorageError: Error, Sendable, CustomStringConvertible {
         default: code = .retryLimitExceeded
         }
         return StorageError(code, what, httpStatus: status, file: file, line: line)
+    }
+
+    /// Whether an answer with this status says the server serves requests: a success, or an
+    /// error `fromStatus` makes final (not a 408, 429 or 5xx, which are retried).
+    static func servesRequests(_ status: Int) -> Bool {
+        if (200..<300).contains(status) { return true }
+        let code = fromStatus(status, what: "").code
+        return code != .retryLimitExceeded && code != .quotaExceeded
     }
 }

@@ -9,7 +9,10 @@ import Synchronization
 /// for good with an outage (unreachable, or failing after every retry), for `holdSeconds`:
 /// what storefs knows (attributes, listings, cached blocks) answers at once without asking,
 /// and what it does not know fails at once with that error. The first operation after that
-/// asks the bucket again; any success ends the outage. docs/security.md, "Time bounds".
+/// asks the bucket again; any success ends the outage. An operation that failed while the
+/// bucket answered others (`StorageError.answeredOthers`) is no outage: one unlucky request
+/// of a flaky server must not fail every read that starts in the next seconds.
+/// docs/security.md, "Time bounds".
 public final class BucketHealth: Sendable {
     /// How long an outage is assumed once found (0: never; every operation asks).
     public let holdSeconds: Double
@@ -34,7 +37,7 @@ public final class BucketHealth: Sendable {
 
     /// Records what an operation that asked the bucket found.
     func note(_ error: StorageError) {
-        guard Filesystem.isOutage(error.code), holdSeconds > 0 else { return }
+        guard Filesystem.isOutage(error.code), !error.answeredOthers, holdSeconds > 0 else { return }
         let started = state.withLock { s -> Bool in
             let was = s.until > now()
             s.until = now() + holdSeconds

@@ -246,6 +246,18 @@ import StorageClient
         #expect(store.requests == asked, "nothing more was asked during the outage")
     }
 
+    /// An operation that failed while the bucket answered others is one unlucky request, not
+    /// an outage: reads and lookups that start next still ask the bucket.
+    @Test func aFailureWhileTheBucketAnsweredOthersIsNoOutage() {
+        let health = BucketHealth(holdSeconds: 5)
+        var unlucky = StorageError(.retryLimitExceeded, "503 after 10 tries", httpStatus: 503)
+        unlucky.answeredOthers = true
+        health.note(unlucky)
+        #expect(health.outage == nil)
+        health.note(StorageError(.retryLimitExceeded, "no answer in time"))
+        #expect(health.outage?.code == .retryLimitExceeded)
+    }
+
     /// readdir costs what it returns: the kernel asks for a bufferful at a time, deep offsets
     /// included, and every handle shares one snapshot of the listing.
     @Test func readdirReturnsAtMostItsLimitFromAnyOffset() throws {

@@ -89,6 +89,19 @@ public enum StorageTelemetry {
     }
 }
 
+/// How many answers one store has had from its server that say it serves requests (any but
+/// 408, 429 and 5xx): a failing operation that sees the count move knows the bucket answers
+/// others, and that its own failures are a flaky request, not an outage (`RetryPolicy`).
+public final class AnswerCount: Sendable {
+    private let count = Atomic<UInt64>(0)
+
+    public init() {}
+
+    public func note() { count.add(1, ordering: .relaxed) }
+
+    public var value: UInt64 { count.load(ordering: .relaxed) }
+}
+
 /// The fastest first byte of any answer one store has had from its server (a lookup, the
 /// start-up listing, a download): how far the server is, before any download has said. One per
 /// store, so one mount (or one test) never reads another's distance; token services, which
