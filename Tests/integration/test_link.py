@@ -132,6 +132,25 @@ def test_a_far_link_has_connections_open_before_read_ahead_needs_them(mount, wan
     assert wan.stats()["connections"] <= 34, f"{wan.stats()['connections']} connections for one reader"
 
 
+def test_a_far_readers_own_download_takes_the_warm_connection_before_its_read_ahead(mount, wan):
+    """The lookup leaves a warm connection. The first read misses: the reader waits for its own
+    download, and the read-ahead that read lets go is queued before it. A new connection costs
+    60 ms on `wan` before the first byte, so the reader's download must go out on the warm one
+    and the read-ahead wait for the new one, not the other way round."""
+    m = mount(LB, endpoint=wan.url)
+    os.stat(m.p(BIG))
+    wan.reset_stats()
+    with open(m.p(BIG), "rb", buffering=0) as f:
+        assert f.read(1 * MiB) == BIG_BYTES[:MiB], "bytes differ"
+    media = sorted(media_requests(wan), key=lambda r: r["t_req"])
+    own = [r for r in media if r["range"].startswith("bytes=0-")]
+    assert own, f"no download from offset 0: {[r['range'] for r in media]}"
+    assert own[0]["seq"] > 1, (
+        f"the reader's download ({own[0]['range']}) waited for a new connection (request 1 of "
+        f"connection {own[0]['conn']}) while read-ahead took the warm one: "
+        + ", ".join(f"{r['range']} on {r['conn']}#{r['seq']}" for r in media))
+
+
 def test_parallel_option_fixes_the_parts_in_flight(mount, wan):
     """`parallel=N` is an override: read-ahead never runs more than N parts at once, however
     much the link would reward more (a reader's own miss may add one GET beside them)."""

@@ -14,6 +14,8 @@ public final class FirebaseV0Store: ObjectStore {
 
     public var connectionCount: Int? { client.http.connectionCount }
 
+    public func claimIdleConnection() -> ConnectionClaim? { client.http.claimIdleConnection() }
+
     public var fastestFirstByte: Double? { client.fastest.seconds }
 
     public func openConnection(forReading name: String, generation: Int64) {

@@ -158,6 +158,9 @@ public final class BlockReader: Sendable {
         let detector: Mutex<Prefetcher>
         /// The object's `servedWrongEpoch` when this file was opened.
         let openedEpoch: Int
+        /// A warm connection set aside for the download of a read that missed, before that
+        /// read let read-ahead go (`readCached`): taken by the read's own download on a worker.
+        let parkedClaim = Mutex<ConnectionClaim?>(nil)
 
         init(meta: ObjectMetadata, cached: CachedObject?, flights: FlightTable, detector: Prefetcher) {
             self.meta = meta
@@ -231,7 +234,15 @@ public final class BlockReader: Sendable {
     /// then copies it once, into the kernel) and `sent` is set; otherwise it is copied into `dst`.
     func readCached(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
                     send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) -> Bool {
+        let parked = parkConnectionIfMissing(stream, at: offset)
         observe(stream, offset: offset, count: dst.count)
+        let served = readCachedAfterObserving(stream, at: offset, into: dst, send: send, sent: &sent)
+        if served && parked { stream.parkedClaim.withLock { $0 = nil } }  // landed meanwhile: not needed
+        return served
+    }
+
+    private func readCachedAfterObserving(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
+                                          send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) -> Bool {
         // Taken before anything is copied: while a completing download is checked, the cache
         // may hold its bytes unchecked, and the check may yet find that bytes served were wrong.
         let epoch = stream.cached?.checkEpoch ?? 0
@@ -262,6 +273,20 @@ public final class BlockReader: Sendable {
         }
         // A check began while this copied, or found wrong bytes served: `read` waits for its verdict.
         if let cached = stream.cached, cached.checkEpoch != epoch || cached.isChecking || stream.hasServedWrong { return false }
+        return true
+    }
+
+    /// On a far link a reader that will wait for its own download keeps the warm connection
+    /// for it: the read-ahead this read lets go is queued first and would take it, leaving the
+    /// reader a new connection's set-up (60 ms through `wan`) before its first byte
+    /// (docs/architecture.md, "Adaptive transfers"). Near the server a connection costs
+    /// nothing worth the lock.
+    @discardableResult
+    private func parkConnectionIfMissing(_ stream: Stream, at offset: Int64) -> Bool {
+        let block = Int(offset / Int64(blockSize))
+        guard transfers.seemsFar, stream.flights.flight(for: block) == nil, stream.cached?.isCached(block) != true,
+              let claim = store.claimIdleConnection() else { return false }
+        stream.parkedClaim.withLock { $0 = claim }  // one that was parked and not taken goes back
         return true
     }
 
@@ -307,7 +332,24 @@ public final class BlockReader: Sendable {
     func read(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer, observed: Bool,
               isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply?,
               send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) throws(StorageError) {
-        if !observed { observe(stream, offset: offset, count: dst.count) }
+        if !observed {
+            parkConnectionIfMissing(stream, at: offset)
+            observe(stream, offset: offset, count: dst.count)
+        }
+        // This read's own download, if it makes one, goes out on the connection parked for it.
+        let claim = stream.parkedClaim.withLock { c -> ConnectionClaim? in
+            defer { c = nil }
+            return c
+        }
+        try ConnectionClaim.run(claim) { () throws(StorageError) in
+            try readChecked(stream, at: offset, into: dst, isCancelled: isCancelled, afterReply: afterReply,
+                            send: send, sent: &sent)
+        }
+    }
+
+    private func readChecked(_ stream: Stream, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
+                             isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply?,
+                             send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) throws(StorageError) {
         // The download that holds the whole read, when `send` may reply from its buffer: held
         // here, its buffer lives until the reply is made (a finished download's never changes).
         var whole: Flight?
