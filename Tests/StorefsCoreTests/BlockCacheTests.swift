@@ -782,30 +782,6 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(!freshReader.transfers.current.isNear && !freshReader.transfers.seemsFar)
     }
 
-    /// Far from the server the parts of one window land together, and a window that moves only
-    /// as its reader reads refilled the link part by part while the reader caught up. It
-    /// reaches twice the parts that may run at once there (the ones beyond wait for a slot);
-    /// near the server, where the daemon's CPU sets the pace, the parts and a little more.
-    @Test(arguments: [(0.030, 2), (0.0002, 1)])
-    func theReadAheadWindowHoldsTwiceThePartsInFlightOnlyFarFromTheServer(firstByte: Double, times: Int) throws {
-        let store = MemoryStore()
-        store.put("f", [UInt8](repeating: 7, count: 96 << 20))
-        store.simulateConnections(1)
-        store.reportFirstByte(firstByte)
-        var byte = [UInt8](repeating: 0, count: 1)
-        let meta = try store.metadata(of: "f")
-        try byte.withUnsafeMutableBytes { try store.read("f", generation: meta.generation, offset: 0, into: $0, isCancelled: nil) }
-        let reader = try adaptive(store, memory: 256 << 20)
-        let stream = reader.openStream(meta)
-        try readOn(reader, stream, mib: 6)
-        let (parts, part, near) = reader.transfers.current
-        #expect(near == (times == 1))
-        let ahead = stream.detector.withLock { $0.scheduledUntil } - (6 << 20)
-        #expect(ahead == Int64(times * parts + 2) * part, "\(ahead >> 20) MiB ahead with \(parts) parts of \(part >> 20) MiB")
-        reader.finishPendingWork(timeout: 10)
-        reader.closeStream(stream)
-    }
-
     @Test func farFromTheServerACachedFileOpensNoConnection() throws {
         let store = pooledStore(firstByte: 0.030)
         let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)

@@ -447,14 +447,9 @@ public final class BlockReader: Sendable {
     }
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
-        // A reader's window covers the parts that may run at once, and a little more. On a far
-        // link, twice that: the parts of one window land together, and a window that moves
-        // only as its reader reads (through FUSE, from the cache file) refilled the link part
-        // by part as the reader caught up: 7-9 of 16 parts running for 150 ms of a 1.1 s read
-        // through `wan`. The parts beyond wait for a slot (their memory reserved, not touched)
-        // and start as each one frees (docs/architecture.md, "Adaptive transfers").
+        // A reader's window covers the parts that may run at once, and a little more.
         let (parts, part, near) = transfers.current
-        let limit = config.adaptive ? Int64(near ? parts + 2 : 2 * parts + 2) * part : config.readAhead
+        let limit = config.adaptive ? Int64(parts + 2) * part : config.readAhead
         let ahead = stream.detector.withLock {
             $0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part)
         }

@@ -17,7 +17,7 @@ struct Prefetcher {
     private var expected: Int64 = Int64.min / 2
     private var streak = 0
     private var window: Int64
-    private(set) var scheduledUntil: Int64 = 0
+    private var scheduledUntil: Int64 = 0
 
     init(minWindow: Int64, maxWindow: Int64) {
         self.minWindow = min(minWindow, maxWindow)
