@@ -230,6 +230,15 @@ def release_all(proxy: FaultProxy, calls=(), procs=()) -> None:
                 p.wait(timeout=10)
 
 
+def call_within(proxy: FaultProxy, timeout: float, fn, *args, name: str) -> Call:
+    """fn(*args) as a `Call` waited for up to `timeout`; if it is still blocked then, the proxy
+    is stopped (releasing it) before the test goes on to fail."""
+    call = Call(fn, *args, name=name)
+    if not call.wait(timeout):
+        release_all(proxy, [call])
+    return call
+
+
 def is_eio(call: Call) -> bool:
     return call.done and isinstance(call.error, OSError) and call.error.errno == errno.EIO
 
@@ -391,12 +400,7 @@ def test_429_retry_after_1s_is_honoured_before_the_retry(mount, fault_proxy, fda
     os.stat(m.p(RETRY))
     fault_proxy.add_rule(kind="media", name_prefix=RETRY, fault="status", status=429,
                          retry_after=1, count=1)
-    call = Call(read_all, m.p(RETRY), name="read")
-    try:
-        ok = call.wait(30)
-    finally:
-        if not ok:
-            release_all(fault_proxy, [call])
+    call = call_within(fault_proxy, 30, read_all, m.p(RETRY), name="read")
     assert call.done and call.error is None, call.describe()
     assert call.value == fdata[RETRY]
     reqs = fault_proxy.requests("media", name_prefix=RETRY)
@@ -461,12 +465,7 @@ def test_a_lone_read_the_server_keeps_failing_is_eio_after_5_tries(mount, fault_
     m = mount(FB, endpoint=fault_proxy.endpoint, options=TIMEOUTS)
     os.listdir(m.p("unlucky"))
     fault_proxy.add_rule(kind="media", name_prefix=UNLUCKY, fault="status", status=503)
-    call = Call(read_all, m.p(UNLUCKY), name="read")
-    try:
-        ok = call.wait(30)
-    finally:
-        if not ok:
-            release_all(fault_proxy, [call])
+    call = call_within(fault_proxy, 30, read_all, m.p(UNLUCKY), name="read")
     tries = fault_proxy.requests("media", name_prefix=UNLUCKY)
     assert is_eio(call), call.describe()
     assert len(tries) == 5, f"{len(tries)} tries: {[r.fault for r in tries]}"
