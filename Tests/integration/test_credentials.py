@@ -359,10 +359,12 @@ def test_persistent_401_is_eacces_after_one_forced_refresh(bare_mount, firebase,
     assert firebase.settle()  # the fixture logs a request after its answer went out
     tries = [(r.kind, r.name or r.prefix, r.auth) for r in firebase.log[seen:]]
     # A lookup asks "a directory?" (list), "an object?" (metadata) and, on v0, the file's first
-    # bytes (media) at once: each request once, and once more after the one refresh.
+    # bytes (media) at once: each request at most once more after the one refresh (a probe
+    # whose lookup the others' answers already decided is cancelled before its second try),
+    # and at least one of them tried again with the fresh token.
     by_request = Counter((kind, what) for kind, what, _ in tries)
-    assert set(by_request.values()) == {2} and len(by_request) <= 3, \
-        f"expected each request once and once more after the refresh: {tries}"
+    assert max(by_request.values()) == 2 and len(by_request) <= 3, \
+        f"expected each request at most once and once more after the refresh: {tries}"
     assert all(auth == "firebase" for _, _, auth in tries), tries
     firebase.clear_faults()
     assert _read(m.p("shared/s11.txt")) == FB_FILES["shared/s11.txt"], "EACCES was cached"
