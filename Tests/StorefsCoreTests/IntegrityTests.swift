@@ -80,6 +80,57 @@ import StorageClient
         #expect(store.requests.read >= 1)
     }
 
+    /// The download that completes an object is checked from memory (its blocks' CRC32Cs with
+    /// the index's) and answers its reader before its cache copy is written: the last read of
+    /// a file does not wait for the disk (docs/integrity.md, "Checked before stored"). The copy,
+    /// written after the reply, is checked again from the index.
+    @Test func theReadThatCompletesAnObjectRepliesBeforeItsCacheCopyIsWritten() throws {
+        let (store, bytes, cache, reader, meta) = try setUp(size: 100_000)
+        let stream = reader.openStream(meta)
+        defer { reader.closeStream(stream) }
+        var head = [UInt8](repeating: 0, count: 65_536)
+        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        reader.finishPendingWork(timeout: 10)
+        var tail = [UInt8](repeating: 0, count: 100_000 - 65_536)
+        let afterReply = AfterReply()
+        try tail.withUnsafeMutableBytes {
+            try reader.read(stream, at: 65_536, into: $0, observed: false, isCancelled: { false }, afterReply: afterReply)
+        }
+        #expect(head + tail == bytes)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        defer { cache.release(o) }
+        // Replied: the last blocks are not on disk yet, and nothing is marked verified.
+        #expect(o.cachedBytes(from: 65_536, upTo: 100_000) == 0)
+        #expect(!o.isVerified)
+        afterReply.run()
+        #expect(o.cachedBytes(from: 0, upTo: 100_000) == 100_000)
+        #expect(o.isVerified)
+        #expect(store.requests.read == 2)
+    }
+
+    /// A completing download whose bytes do not match is not answered from memory: the full
+    /// check stores it, finds the mismatch and fetches the object again before replying.
+    @Test func aCompletingDownloadThatDoesNotMatchIsStoredCheckedAndFetchedAgainBeforeItsReply() throws {
+        let (store, bytes, cache, reader, meta) = try setUp(size: 100_000)
+        let stream = reader.openStream(meta)
+        defer { reader.closeStream(stream) }
+        var head = [UInt8](repeating: 0, count: 65_536)
+        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        reader.finishPendingWork(timeout: 10)
+        store.corruptNextReads(1)
+        var tail = [UInt8](repeating: 0, count: 100_000 - 65_536)
+        let afterReply = AfterReply()
+        try tail.withUnsafeMutableBytes {
+            try reader.read(stream, at: 65_536, into: $0, observed: false, isCancelled: { false }, afterReply: afterReply)
+        }
+        #expect(head + tail == bytes)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        defer { cache.release(o) }
+        #expect(o.isVerified)  // before the reply: fetched again and checked
+        #expect(store.requests.read == 3)  // the head, the corrupt tail, the whole object again
+        afterReply.run()
+    }
+
     /// Bytes handed to a reader before the object was complete cannot be taken back: when the
     /// completing download finds that they were wrong, that read fails (EIO), so `cp` and
     /// `cat` exit non-zero, and the object is then cached right for the next read.

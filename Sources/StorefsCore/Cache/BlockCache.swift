@@ -906,6 +906,45 @@ final class CachedObject: Sendable {
         return .mismatch(previous: snapshot.crcs)
     }
 
+    /// The end-to-end check of a download that would complete the object, made before its
+    /// bytes are stored (docs/integrity.md, "Checked before stored"): every block's CRC32C comes
+    /// from the index where the block is present, else from the finished download in `pending`
+    /// that holds it (the completing one and those whose cache copy is still being written).
+    /// True when they combine to the object's CRC32C; false when they do not; nil when it
+    /// cannot tell (a block in neither, no CRC32C to compare with, or already verified). It
+    /// marks nothing verified and drops nothing: the cache copies, once made, are checked again
+    /// from the index (`checkIfComplete`), and a mismatch here is left to the full check.
+    func matchesBeforeStoring(_ pending: [(first: Int, bytes: UnsafeRawBufferPointer)]) -> Bool? {
+        let snapshot = state.withLock { s -> (crcs: [UInt32], present: [Bool], expected: UInt32)? in
+            guard let expected = s.expected, !s.verified else { return nil }
+            var crcs = [UInt32](repeating: 0, count: s.index.count)
+            var present = [Bool](repeating: false, count: s.index.count)
+            s.index.forEachPresent { b, e, _ in
+                crcs[b] = e.crc
+                present[b] = true
+            }
+            return (crcs, present, expected)
+        }
+        guard var snapshot else { return nil }
+        let bs = format.blockSize
+        for (first, bytes) in pending {
+            var b = first
+            while b < format.blockCount, (b - first) * bs < bytes.count {
+                if !snapshot.present[b] {
+                    let at = (b - first) * bs
+                    let length = format.blockLength(b)
+                    guard at + length <= bytes.count else { return nil }
+                    snapshot.crcs[b] = Checksum.crc32c(UnsafeRawBufferPointer(rebasing: bytes[at..<(at + length)]))
+                    snapshot.present[b] = true
+                }
+                b += 1
+            }
+        }
+        guard !snapshot.present.contains(false) else { return nil }
+        return Checksum.crc32c(combining: snapshot.crcs, blockLength: bs,
+                               lastLength: format.blockLength(format.blockCount - 1)) == snapshot.expected
+    }
+
     /// Drops every block (index and disk) at once; returns the disk bytes freed.
     func evictAll() -> Int64 {
         // Under `indexWriting`: an index page built before this and written after it would

@@ -686,6 +686,17 @@ public final class BlockReader: Sendable {
                     stream.flights.noteUnstored(flight)
                     return false
                 }
+                // Checked from memory first: the CRC32Cs of its bytes and of the others' with
+                // the index's. When they match it finishes and is stored like any download,
+                // after its readers have it, and the others' copies are left to their own
+                // threads: no reader waits for a disk write (docs/integrity.md). The index
+                // is checked again once the copies are made.
+                let pending = ([flight] + others).map { (first: $0.firstBlock, bytes: UnsafeRawBufferPointer($0.buffer)) }
+                if cached.matchesBeforeStoring(pending) == true {
+                    flight.finish(.success(()))
+                    stream.flights.noteUnstored(flight)
+                    return false
+                }
                 cached.beginCheck()
                 for other in others { cached.store(first: other.firstBlock, UnsafeRawBufferPointer(other.buffer)) }
                 let outcome = completeAndCheck(flight, stream, cached, isCancelled: isCancelled)
