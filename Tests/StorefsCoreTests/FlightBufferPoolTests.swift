@@ -13,6 +13,38 @@ import Testing
         return b
     }
 
+    /// The mapping's flags in /proc/self/smaps (`hg`: huge pages asked with MADV_HUGEPAGE).
+    func vmFlags(of address: UnsafeMutableRawPointer) throws -> [Substring] {
+        // Read to its end (a /proc file says it is empty: a sized read gets nothing).
+        let file = try #require(FileHandle(forReadingAtPath: "/proc/self/smaps"))
+        defer { try? file.close() }
+        let smaps = String(decoding: try file.readToEnd() ?? Data(), as: UTF8.self)
+        let at = UInt(bitPattern: address)
+        var inside = false
+        for line in smaps.split(separator: "\n") {
+            let fields = line.split(separator: " ")
+            if let range = fields.first, range.contains("-"), !range.hasSuffix(":") {
+                let ends = range.split(separator: "-").compactMap { UInt($0, radix: 16) }
+                inside = ends.count == 2 && ends[0] <= at && at < ends[1]
+            } else if inside, fields.first == "VmFlags:" {
+                return Array(fields.dropFirst())
+            }
+        }
+        return []
+    }
+
+    @Test func partRegionsAskForHugePagesAndSmallOnesDoNot() throws {
+        let parts = FlightBufferPool(regionSize: 8 * Self.mib, keepBytes: 16 * Self.mib)
+        let part = touched(parts, 8 * Self.mib)
+        #expect(try vmFlags(of: part.baseAddress!).contains("hg"))
+        parts.give(part)
+        let requests = FlightBufferPool(regionSize: Self.mib, keepBytes: 4 * Self.mib)
+        let request = touched(requests, Self.mib)
+        let flags = try vmFlags(of: request.baseAddress!)
+        #expect(!flags.isEmpty && !flags.contains("hg"))
+        requests.give(request)
+    }
+
     @Test func regionsInUseCountAgainstWhatIsKept() {
         let pool = FlightBufferPool(regionSize: 4 * Self.mib, keepBytes: 8 * Self.mib)
         // Six 2 MiB parts at once: 12 MiB resident while in use.
