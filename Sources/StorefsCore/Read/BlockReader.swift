@@ -836,19 +836,20 @@ public final class BlockReader: Sendable {
     }
 
     /// Writes the flight's cache copy. A reader's own miss is let go once its bytes are cached
-    /// (its reader has them; readers after it take them from the cache). Near the server, where
-    /// the daemon's CPU sets the pace, read-ahead stays until its reader has copied it to its
-    /// end, the file is closed by all, or memory runs short (`dropStored`): the reader then
-    /// copies from memory, or replies from it, not from the cache file with a CRC check of
-    /// every block, a copy and a checksum pass per byte. On a far link the link sets the pace
-    /// and memory is worth more as parts in flight: read-ahead goes once cached there too.
+    /// (its reader has them; readers after it take them from the cache). Read-ahead stays
+    /// until its reader has copied it to its end, the file is closed by all, or memory runs
+    /// short (`dropStored`): the reader then copies from memory, or replies from it, not from
+    /// the cache file with a CRC check of every block, a copy and a checksum pass per byte.
+    /// Near the server the daemon's CPU sets the pace; far from it too, on a machine that is
+    /// busy (docs/architecture.md, "Adaptive transfers": Kept in memory). A reader's window
+    /// bounds what it keeps, and parts in flight take memory from kept parts first.
     private func storeToCache(_ flight: Flight, _ stream: Stream) {
         if let cached = stream.cached {
             // The disk write outside the object's check lock, the check under it: never beside
             // a completing download's check (which could then find only dropped blocks).
-            // Read-ahead on a far link is let go once cached (below) and its reader reads it
-            // back from the cache file moments later: through the page cache that read is a
-            // copy; past it, a disk read per FUSE request, and the disk carries every byte twice
+            // Read-ahead on a far link is written through the page cache: when memory runs
+            // short its reader reads it back from the cache file moments later, there a copy;
+            // past it, a disk read per FUSE request, and the disk carries every byte twice
             // (docs/architecture.md, "Cache writes").
             cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer),
                          readSoon: flight.isReadAhead && !transfers.isNear, ahead: flight.isReadAhead)
@@ -862,7 +863,7 @@ public final class BlockReader: Sendable {
                 cached.noteServedWrong()
                 return
             }
-            if !(flight.isReadAhead && transfers.isNear), cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
+            if !flight.isReadAhead, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
                 stream.flights.forget(flight)
                 return
             }
