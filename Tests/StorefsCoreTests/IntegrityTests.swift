@@ -80,23 +80,32 @@ import StorageClient
         #expect(store.requests.read >= 1)
     }
 
+    /// Reads a 100,000-byte object in two: the first 64 KiB (its cache copy made), then the rest
+    /// as the daemon's FUSE thread does, its cache copy left to `afterReply` (not run here).
+    /// `corruptingTail`: the tail's first download comes back with a flipped byte.
+    func readInTwo(_ reader: BlockReader, _ store: MemoryStore, _ meta: ObjectMetadata,
+                   corruptingTail: Bool, afterReply: AfterReply) throws -> [UInt8] {
+        let stream = reader.openStream(meta)
+        defer { reader.closeStream(stream) }
+        var head = [UInt8](repeating: 0, count: 65_536)
+        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        reader.finishPendingWork(timeout: 10)
+        if corruptingTail { store.corruptNextReads(1) }
+        var tail = [UInt8](repeating: 0, count: Int(meta.size) - 65_536)
+        try tail.withUnsafeMutableBytes {
+            try reader.read(stream, at: 65_536, into: $0, observed: false, isCancelled: { false }, afterReply: afterReply)
+        }
+        return head + tail
+    }
+
     /// The download that completes an object is checked from memory (its blocks' CRC32Cs with
     /// the index's) and answers its reader before its cache copy is written: the last read of
     /// a file does not wait for the disk (docs/integrity.md, "Checked before stored"). The copy,
     /// written after the reply, is checked again from the index.
     @Test func theReadThatCompletesAnObjectRepliesBeforeItsCacheCopyIsWritten() throws {
         let (store, bytes, cache, reader, meta) = try setUp(size: 100_000)
-        let stream = reader.openStream(meta)
-        defer { reader.closeStream(stream) }
-        var head = [UInt8](repeating: 0, count: 65_536)
-        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
-        reader.finishPendingWork(timeout: 10)
-        var tail = [UInt8](repeating: 0, count: 100_000 - 65_536)
         let afterReply = AfterReply()
-        try tail.withUnsafeMutableBytes {
-            try reader.read(stream, at: 65_536, into: $0, observed: false, isCancelled: { false }, afterReply: afterReply)
-        }
-        #expect(head + tail == bytes)
+        #expect(try readInTwo(reader, store, meta, corruptingTail: false, afterReply: afterReply) == bytes)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))
         defer { cache.release(o) }
         // Replied: the last blocks are not on disk yet, and nothing is marked verified.
@@ -112,18 +121,8 @@ import StorageClient
     /// check stores it, finds the mismatch and fetches the object again before replying.
     @Test func aCompletingDownloadThatDoesNotMatchIsStoredCheckedAndFetchedAgainBeforeItsReply() throws {
         let (store, bytes, cache, reader, meta) = try setUp(size: 100_000)
-        let stream = reader.openStream(meta)
-        defer { reader.closeStream(stream) }
-        var head = [UInt8](repeating: 0, count: 65_536)
-        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
-        reader.finishPendingWork(timeout: 10)
-        store.corruptNextReads(1)
-        var tail = [UInt8](repeating: 0, count: 100_000 - 65_536)
         let afterReply = AfterReply()
-        try tail.withUnsafeMutableBytes {
-            try reader.read(stream, at: 65_536, into: $0, observed: false, isCancelled: { false }, afterReply: afterReply)
-        }
-        #expect(head + tail == bytes)
+        #expect(try readInTwo(reader, store, meta, corruptingTail: true, afterReply: afterReply) == bytes)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))
         defer { cache.release(o) }
         #expect(o.isVerified)  // before the reply: fetched again and checked
