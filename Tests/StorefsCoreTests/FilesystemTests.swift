@@ -55,6 +55,31 @@ import StorageClient
         }
     }
 
+    /// `user.storefs.cached` counts every byte a read was served, though a reader's own
+    /// download has its cache copy written after the reply (here 0.3 s after, as a busy
+    /// thread would): the attribute waits for that copy (`BlockReader.awaitCacheCopies`).
+    @Test func theCachedAttributeCountsABytesCacheCopyStillBeingWritten() throws {
+        store.put("f", pattern(100_000, seed: 3), crc32c: true)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20))
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: ""), config: .init(), reader: reader)
+        let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        let handle = try fs.open(f.inode, flags: O_RDONLY).handle
+        let afterReply = AfterReply()
+        var out = [UInt8](repeating: 0, count: 100_000)
+        let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: 0, into: $0, isCancelled: { false }, afterReply: afterReply) }
+        #expect(n == 100_000)
+        fs.release(handle)  // `cat` closes the file before `getfattr` asks
+        let t0 = monotonicNow()
+        let copy = Thread { usleep(300_000); afterReply.run() }
+        copy.start()
+        let cached = try fs.extendedAttribute(f.inode, name: "user.storefs.cached")
+        #expect(String(decoding: cached, as: UTF8.self) == "100000")
+        #expect(monotonicNow() - t0 >= 0.25)
+        while !copy.isFinished { usleep(1000) }
+    }
+
     @Test func readdirListsEveryPageOnceAndLookupsThenCostNothing() throws {
         for i in 0..<10 { store.put(String(format: "d/f%02d", i), [UInt8(i)]) }
         store.put("d/sub/x", [1])

@@ -148,7 +148,9 @@ extension Filesystem {
     func cachedBytes(_ inode: UInt64) -> Int64? {
         guard let node = table.withLock({ $0.nodes[inode] }), case .file(let record) = node.kind else { return nil }
         guard let cache = reader.cache else { return 0 }
-        return cache.cachedBytes(endpoint: reader.endpoint, bucket: reference.bucket, name: objectName(of: node.path),
+        let name = objectName(of: node.path)
+        reader.awaitCacheCopies(of: name, generation: record.generation, timeout: 2)
+        return cache.cachedBytes(endpoint: reader.endpoint, bucket: reference.bucket, name: name,
                                  generation: record.generation, size: record.size)
     }
 
