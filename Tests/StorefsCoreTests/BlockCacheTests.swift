@@ -658,6 +658,33 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(budgetSettles(reader))
     }
 
+    /// The kernel reads a page again at once when a read of it failed: that read gets the
+    /// same error without a request of its own (not all its tries anew, doubling the time a
+    /// `read` takes to fail while the bucket answers other requests), and a read a second
+    /// later tries again (`FlightTable.failureMemory`).
+    @Test func aReadOfBlocksWhoseDownloadJustFailedGetsItsErrorWithoutAsking() throws {
+        let (store, bytes, _, reader) = try streaming(size: 64 << 10, cached: true, readAhead: 0)
+        var failure = StorageError(.retryLimitExceeded, "gave up after 5 tries")
+        failure.answeredOthers = true  // no outage assumed from it
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        store.failAll(with: failure)
+        defer { reader.closeStream(stream) }
+        var out = [UInt8](repeating: 0, count: 4096)
+        func readHead() throws {
+            try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: { false }) }
+        }
+        #expect(throws: StorageError.self) { try readHead() }
+        let asked = store.requests.read
+        #expect(asked >= 1)
+        #expect(throws: StorageError.self) { try readHead() }
+        #expect(store.requests.read == asked, "the page read again asked the bucket again")
+        store.failAll(with: nil)
+        Thread.sleep(forTimeInterval: FlightTable.failureMemory + 0.1)
+        try readHead()
+        #expect(out == Array(bytes[0..<4096]))
+        reader.finishPendingWork(timeout: 10)
+    }
+
     @Test func aPartsSlotIsFreeOnceItsBytesLandBeforeItsCacheWrite() throws {
         // The reader waits for the read-ahead part 1..3 MiB. Its cache copy then waits for room
         // at a stalled cache writer (cache_writes=keep_up: up to 2 × parallel times the

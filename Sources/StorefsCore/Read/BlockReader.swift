@@ -530,6 +530,7 @@ public final class BlockReader: Sendable {
                            isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Flight? {
         let meta = stream.meta
         if let existing = stream.flights.flight(for: block) { return existing }
+        if let failed = stream.flights.recentFailure(covering: block) { throw failed }
         // The caller missed the cache before it looked here: a download whose cache copy ended
         // in between has left the table (a flight leaves it only once its bytes are cached or
         // will never be). Looking at the cache after the table closes that gap; misses only.
@@ -670,6 +671,9 @@ public final class BlockReader: Sendable {
         } catch {
             downloaded?(.failure(error))
             health.note(error)
+            // A reader was given this error: the kernel asks again for the page at once, and
+            // that read gets the same answer rather than all of its tries anew.
+            if isCancelled != nil, error.code != .cancelled { stream.flights.noteFailure(flight, error) }
             stream.flights.forget(flight)  // the next reader tries afresh
             flight.finish(.failure(error))
             return
@@ -974,6 +978,25 @@ final class FlightTable: Sendable {
     }
 
     var isEmpty: Bool { entries.withLock { $0.flights.isEmpty } && pendingStores.withLock { $0.isEmpty } }
+
+    /// How long a reader's failed download answers new reads of its blocks with its error.
+    /// The kernel reads a page again, synchronously, when a read of it failed: without this
+    /// that second read made all its tries anew (up to `request_timeout` more) while the
+    /// bucket answered other requests, so a `read` took twice the bound (test_faults.py,
+    /// trickling media). A read a second later tries afresh.
+    static let failureMemory = 1.0
+    private let lastFailure = Mutex<(blocks: ClosedRange<Int>, error: StorageError, at: Double)?>(nil)
+
+    func noteFailure(_ flight: Flight, _ error: StorageError) {
+        lastFailure.withLock { $0 = (flight.firstBlock...flight.lastBlock, error, now()) }
+    }
+
+    func recentFailure(covering block: Int) -> StorageError? {
+        lastFailure.withLock { f in
+            guard let last = f, last.blocks.contains(block), now() - last.at < Self.failureMemory else { return nil }
+            return last.error
+        }
+    }
 
     /// Downloads other than `flight` that finished with their bytes and whose cache copy is
     /// not made yet (the buffer is in memory until it is).
