@@ -427,6 +427,24 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(scheduled >= 40 * mib + (24 << 20))
     }
 
+    @Test func theKernelsReadaheadForAShortReadGetsOnlyTheFirstWindow() {
+        // `head -c 100000`: the kernel reads 32 KiB, then 128 and 256 KiB ahead of it. Three
+        // sequential reads, but 416 KiB read: the window opens (2 MiB) and does not grow.
+        var p = Prefetcher(minWindow: 2 << 20, maxWindow: 256 << 20)
+        let kib: Int64 = 1 << 10, mib: Int64 = 1 << 20, size: Int64 = 1 << 30
+        var ahead: Int64 = 0
+        for (offset, count) in [(0, 32), (32, 128), (160, 256)] as [(Int64, Int)] {
+            ahead += Int64(p.observe(offset: offset * kib, count: count << 10, size: size, granularity: 8 * mib)?.count ?? 0)
+        }
+        #expect(ahead == 2 * mib)
+        #expect(!p.hasEvidence)
+        // A reader that goes on is a stream once it has read 1 MiB: the window grows ×4 per read.
+        _ = p.observe(offset: 416 * kib, count: 512 << 10, size: size, granularity: 8 * mib)
+        let grown = p.observe(offset: 928 * kib, count: 1 << 20, size: size, granularity: 8 * mib)
+        #expect(p.hasEvidence)
+        #expect(grown.map { $0.upperBound >= 8 * mib } == true, "\(String(describing: grown))")
+    }
+
     @Test func aWindowEndsOnAWholePartUnlessTheFileEnds() {
         // Parts of 8 MiB, 1 MiB reads: the window (up to 64 MiB) slides by whole parts only,
         // so no GET is a sliver of a part that waits a whole first byte for a fraction of one.

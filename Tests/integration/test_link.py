@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -149,6 +150,30 @@ def test_a_far_readers_own_download_takes_the_warm_connection_before_its_read_ah
         f"the reader's download ({own[0]['range']}) waited for a new connection (request 1 of "
         f"connection {own[0]['conn']}) while read-ahead took the warm one: "
         + ", ".join(f"{r['range']} on {r['conn']}#{r['seq']}" for r in media))
+
+
+def test_head_of_a_large_file_fetches_a_few_mib_and_opens_no_connections_ahead(mount, wan):
+    """`head -c 100000` reads 100,000 bytes; the kernel's readahead turns it into three
+    growing reads (32, 128 and 256 KiB). That is not yet a stream: read-ahead opens its first
+    window (2 MiB) and neither widens it nor opens connections for parts to come."""
+    m = mount(LB, endpoint=wan.url)
+    os.stat(m.p(BIG))
+    wan.reset_stats()
+    # The file stays open a second after head's last read: read-ahead a close would cancel
+    # before it went out has its time to go out.
+    with open(m.p(BIG), "rb") as f:
+        out = subprocess.run(["head", "-c", "100000"], stdin=f, capture_output=True, timeout=30)
+        assert out.returncode == 0 and out.stdout == BIG_BYTES[:100000], out.stderr
+        time.sleep(1)
+        deadline = time.monotonic() + 10
+        while wan.stats()["incomplete"] and time.monotonic() < deadline:  # read-ahead landing
+            time.sleep(0.1)
+    media = media_requests(wan)
+    body = sum(r["body"] for r in media)
+    assert body <= 4 * MiB, (
+        f"{body / MiB:.2f} MiB fetched for head -c 100000: " + ", ".join(r["range"] for r in media))
+    openers = [r for r in wan.stats()["per_request"] if r["range"] == "bytes=0-0"]
+    assert not openers, f"{len(openers)} connections opened ahead for a short read"
 
 
 def test_parallel_option_fixes_the_parts_in_flight(mount, wan):

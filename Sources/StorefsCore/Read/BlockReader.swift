@@ -450,12 +450,13 @@ public final class BlockReader: Sendable {
         // A reader's window covers the parts that may run at once, and a little more.
         let (parts, part, near) = transfers.current
         let limit = config.adaptive ? Int64(parts + 2) * part : config.readAhead
-        let ahead = stream.detector.withLock {
-            $0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part)
+        let (ahead, isStream) = stream.detector.withLock {
+            ($0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), $0.hasEvidence)
         }
         guard let ahead else { return }
-        // Only for a window with bytes to download: a cached file read on a far mount needs none.
-        if config.adaptive, !near, transfers.seemsFar,
+        // Only for a stream (a short read's first window needs no more connections) with bytes
+        // to download (a cached file read on a far mount needs none).
+        if config.adaptive, !near, isStream, transfers.seemsFar,
            Int64(stream.cached?.cachedBytes(from: ahead.lowerBound, upTo: ahead.upperBound) ?? 0) < Int64(ahead.count) {
             openConnectionsAhead(stream, from: ahead.lowerBound, parts: parts, part: part)
         }

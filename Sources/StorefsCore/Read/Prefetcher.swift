@@ -2,9 +2,9 @@
 ///
 /// A read that starts where the previous one ended (or, for a large read, near it) extends a streak. Once a streak is
 /// established (two sequential reads, or one large one — the kernel's own readahead sends
-/// 128 KiB to 1 MiB requests for sequential buffered reads) the window opens at one part and
-/// grows fourfold on every read up to `read_ahead`. Anything else resets it: random access gets no
-/// read-ahead at all, only the blocks it asked for.
+/// 128 KiB to 1 MiB requests for sequential buffered reads) the window opens at one part and,
+/// once the streak has read `evidence` bytes, grows fourfold on every read up to `read_ahead`.
+/// Anything else resets it: random access gets no read-ahead at all, only the blocks it asked for.
 struct Prefetcher {
     let minWindow: Int64
     let maxWindow: Int64
@@ -12,10 +12,17 @@ struct Prefetcher {
     /// kernel issues several readahead requests at once and they can arrive out of order.
     static let tolerance: Int64 = 4 << 20
     static let largeRead = 128 << 10
+    /// What a streak must have read before its window grows past the first: the kernel's own
+    /// readahead of one short read is several growing reads (`head -c 100000`: 32, 128 and
+    /// 256 KiB), not yet a stream, and a window grown ×4 on each fetched 8 MiB for it. A stream
+    /// read by 1 MiB requests (`dd bs=1M`, `cp`'s readahead by its third) grows as before.
+    static let evidence: Int64 = 1 << 20
 
     /// Where the next sequential read would start; none before the first read.
     private var expected: Int64 = Int64.min / 2
     private var streak = 0
+    /// Where the current streak began.
+    private var streakStart: Int64 = 0
     private var window: Int64
     private var scheduledUntil: Int64 = 0
 
@@ -42,13 +49,14 @@ struct Prefetcher {
             window = minWindow
             expected = end
             scheduledUntil = end
+            streakStart = offset
             return nil
         }
         streak += 1
         guard maxWindow > 0, streak >= 2 || count >= Self.largeRead else { return nil }
         // ×4 per read: on a far link each read waits a round trip, so the window must reach
-        // the link's bandwidth-delay product in a few reads; one read (head -c) stays small.
-        window = streak > 2 ? min(window * 4, cap) : min(window, cap)
+        // the link's bandwidth-delay product in a few reads; a short read (head -c) stays small.
+        window = streak > 2 && hasEvidence ? min(window * 4, cap) : min(window, cap)
         let from = max(scheduledUntil, end)
         var to = min(size, end + window)
         // Whole parts only: sliding the window by each 1 MiB read would make 1 MiB GETs. And
@@ -61,6 +69,9 @@ struct Prefetcher {
         scheduledUntil = to
         return from..<to
     }
+
+    /// The streak has read enough to be taken for a stream: its window may grow.
+    var hasEvidence: Bool { streak > 0 && expected - streakStart >= Self.evidence }
 
     /// The window from `offset` on could not be scheduled (memory budget): offer it again.
     mutating func unscheduled(from offset: Int64) {
