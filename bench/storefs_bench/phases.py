@@ -11,6 +11,9 @@ dropped caches, unless it says otherwise:
 - `first byte` (--link only): `head -c 1` of big.bin on a fresh mount (first_byte); of
   tree/d07/f0712.txt on another (first_byte_tree), then of tree/d07/f0745.txt
   (first_byte_sibling).
+- `short read`: `head -c 100000` of big.bin on a fresh mount, and the MiB the server sent for
+  it within a second after (head_100k): read-ahead should grow with evidence, not fetch
+  megabytes for a short read.
 - `find` / `ls -lR` of the 10,000-file tree (find, lsR).
 
 Values go to res[row][system] (a list, one per run); extras to extra[key][system]; a failed
@@ -233,6 +236,32 @@ def first_byte_phase(sr: SystemRun) -> None:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+HEAD_BYTES = 100_000
+
+
+def short_read_phase(sr: SystemRun) -> None:
+    """`head -c 100000` of big.bin on a fresh mount: the MiB the server sent for it, counted a
+    second after head ended (read-ahead it started has landed by then)."""
+    server_pid = sr.ctx.server.pid
+    cache = sr.fresh_cache()
+    try:
+        with sr.mount(cache) as m:
+            drop_caches()
+            w0 = proc_wchar(server_pid)
+            _, out = timed_shell(f"head -c {HEAD_BYTES} {shlex.quote(sr.big)} | wc -c", m.pid,
+                                 timeout=60 * sr.ctx.timeout_factor)
+            if out.strip() != str(HEAD_BYTES):
+                raise BenchError(f"head -c {HEAD_BYTES} gave {out.strip()} bytes")
+            time.sleep(1)
+            w1 = proc_wchar(server_pid)
+            if w0 is None or w1 is None:
+                raise BenchError("the server's bytes sent are not readable (/proc/PID/io)")
+            sr.put("head_100k", (w1 - w0) / MIB)
+            log(f"  {sr.system} head -c {HEAD_BYTES}: the server sent {(w1 - w0) / MIB:.2f} MiB")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def walk_phase(sr: SystemRun, key: str, cmd: str, check_count: bool) -> None:
     """A metadata walk of the tree (find or ls -lR) on its own fresh mount, seconds."""
     cache = sr.fresh_cache()
@@ -259,6 +288,7 @@ def measure_system(ctx: RunContext, system: str, run_i: int, res: dict, extra: d
     if link is not None:
         sr.step(f"{LINK_READERS} readers", lambda: parallel_phase(sr, LINK_READERS, "par4", None))
         sr.step("first byte", lambda: first_byte_phase(sr))
+    sr.step("short read", lambda: short_read_phase(sr))
     if not sr.cacheless:
         sr.step("find", lambda: walk_phase(sr, "find", f"find {tree} | wc -l", True))
         sr.step("ls -lR", lambda: walk_phase(sr, "lsR", f"ls -lR {tree} > /dev/null", False))

@@ -32,6 +32,7 @@ ROWS = [
     ("rand_cached_p50", "random 4K pread p50, cached", "µs", False),
     ("rand_cached_p99", "random 4K pread p99, cached", "µs", False),
     ("par8", f"{READERS} parallel readers, cold", "MiB/s", True),
+    ("head_100k", "head -c 100000 of big: MiB sent (fresh)", "MiB", False),
     ("find", "find tree | wc -l (fresh mount)", "s", False),
     ("lsR", "ls -lR tree (fresh mount)", "s", False),
     ("rss", "daemon peak RSS (VmHWM, cold seq)", "MiB", False),
@@ -155,6 +156,8 @@ def _target(key: str, vals: dict, streams: int, ml_mib: float) -> tuple:
                 None if fl is None else fl <= goal)
     if key == "rand_cached_p50":
         return "≤50", None if st is None else st <= 50, None
+    if key == "head_100k":
+        return "≤4 (a few MiB)", None if st is None else st <= 4, None if fl is None else fl <= 4
     if key == "rss":
         goal = 64 + ml_mib
         return f"≤64+{ml_mib:.0f} ({goal:.0f})", None if st is None else st <= goal, None
