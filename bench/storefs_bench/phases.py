@@ -201,6 +201,14 @@ TREE_FIRST = "tree/d07/f0712.txt"
 TREE_SIBLING = "tree/d07/f0745.txt"
 
 
+def timed_head(sr: SystemRun, m: Mount, path: str, n: int) -> float:
+    """Seconds of `head -c n path` through the mount; a short or long count is a BenchError."""
+    secs, out = timed_shell(f"head -c {n} {shlex.quote(path)} | wc -c", m.pid, timeout=60 * sr.ctx.timeout_factor)
+    if out.strip() != str(n):
+        raise BenchError(f"head -c {n} of {os.path.relpath(path, sr.ctx.mnt)} gave {out.strip()} bytes")
+    return secs
+
+
 def first_byte_phase(sr: SystemRun) -> None:
     """`head -c 1` of big.bin on a fresh mount: lookup + open + the first read, ms; then of
     TREE_FIRST on another fresh mount, and of TREE_SIBLING (same directory) right after."""
@@ -208,10 +216,7 @@ def first_byte_phase(sr: SystemRun) -> None:
     try:
         with sr.mount(cache) as m:
             drop_caches()
-            secs, out = timed_shell(f"head -c 1 {shlex.quote(sr.big)} | wc -c", m.pid,
-                                    timeout=60 * sr.ctx.timeout_factor)
-            if out.strip() != "1":
-                raise BenchError(f"head -c 1 gave {out.strip()} bytes")
+            secs = timed_head(sr, m, sr.big, 1)
             sr.put("first_byte", secs * 1000)
             log(f"  {sr.system} head -c 1 on a fresh mount {secs * 1000:.0f} ms")
     finally:
@@ -225,11 +230,7 @@ def first_byte_phase(sr: SystemRun) -> None:
         with sr.mount(cache) as m:
             drop_caches()
             for key, rel in (("first_byte_tree", TREE_FIRST), ("first_byte_sibling", TREE_SIBLING)):
-                path = os.path.join(sr.ctx.mnt, rel)
-                secs, out = timed_shell(f"head -c 1 {shlex.quote(path)} | wc -c", m.pid,
-                                        timeout=60 * sr.ctx.timeout_factor)
-                if out.strip() != "1":
-                    raise BenchError(f"head -c 1 of {rel} gave {out.strip()} bytes")
+                secs = timed_head(sr, m, os.path.join(sr.ctx.mnt, rel), 1)
                 sr.put(key, secs * 1000)
                 log(f"  {sr.system} head -c 1 of {rel} {secs * 1000:.0f} ms")
     finally:
@@ -248,10 +249,7 @@ def short_read_phase(sr: SystemRun) -> None:
         with sr.mount(cache) as m:
             drop_caches()
             w0 = proc_wchar(server_pid)
-            _, out = timed_shell(f"head -c {HEAD_BYTES} {shlex.quote(sr.big)} | wc -c", m.pid,
-                                 timeout=60 * sr.ctx.timeout_factor)
-            if out.strip() != str(HEAD_BYTES):
-                raise BenchError(f"head -c {HEAD_BYTES} gave {out.strip()} bytes")
+            timed_head(sr, m, sr.big, HEAD_BYTES)
             time.sleep(1)
             w1 = proc_wchar(server_pid)
             if w0 is None or w1 is None:
