@@ -447,9 +447,13 @@ public final class BlockReader: Sendable {
     }
 
     private func observe(_ stream: Stream, offset: Int64, count: Int) {
-        // A reader's window covers the parts that may run at once, and a little more.
+        // A reader's window covers its share of the parts that may run at once, and a little
+        // more: alone, all of them; beside other readers that want read-ahead, an equal share
+        // (the gate shares the slots so, `PartQueue`), so that N readers together hold about
+        // the parts in flight plus two each, not N times all of them.
         let (parts, part, near) = transfers.current
-        let limit = config.adaptive ? Int64(parts + 2) * part : config.readAhead
+        let share = config.adaptive ? max(1, parts / transfers.sharingReaders(with: ObjectIdentifier(stream))) : parts
+        let limit = config.adaptive ? Int64(share + 2) * part : config.readAhead
         let (ahead, isStream) = stream.detector.withLock {
             ($0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), $0.hasEvidence)
         }
@@ -611,8 +615,8 @@ public final class BlockReader: Sendable {
             if stream.flights.registerIfFree(flight) {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
-                prefetchPool.submit { [self] in
-                    self.transfers.acquire()
+                let reader = ObjectIdentifier(stream)
+                transfers.enqueue(for: reader, on: prefetchPool) { [self] in
                     let t0 = now()
                     if flight.claim() {
                         // The slot is given back once the bytes are here, before the cache copy:
@@ -621,16 +625,16 @@ public final class BlockReader: Sendable {
                         self.execute(flight, stream, isCancelled: nil) { outcome in
                             switch outcome {
                             case .success:
-                                self.transfers.release(bytes: Int64(flight.length), seconds: now() - t0,
+                                self.transfers.release(for: reader, bytes: Int64(flight.length), seconds: now() - t0,
                                                        firstByte: StorageTelemetry.lastFirstByte)
                             case .failure(let e):
-                                self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true,
+                                self.transfers.release(for: reader, bytes: 0, seconds: 0, firstByte: 0, failed: true,
                                                        refused: e.code == .quotaExceeded || e.httpStatus == 503)
                             }
                         }
                     } else {
                         // A reader took it over while it waited for a slot.
-                        self.transfers.release(bytes: 0, seconds: 0, firstByte: 0, failed: true)
+                        self.transfers.release(for: reader, bytes: 0, seconds: 0, firstByte: 0, failed: true)
                     }
                     if let c = stream.cached { self.cache?.release(c) }
                     self.retireIfIdle(stream)

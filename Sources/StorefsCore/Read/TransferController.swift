@@ -6,8 +6,8 @@ import Synchronization
 /// link itself (docs/architecture.md, "Adaptive transfers").
 ///
 /// The decisions are `TransferPlan`'s, a value with no clock or lock of its own, so they can
-/// be driven by a simulated link in tests; `TransferController` adds the clock, the lock and a
-/// first-come-first-served gate that read-ahead downloads pass before they start.
+/// be driven by a simulated link in tests; `TransferController` adds the clock, the lock and the
+/// gate that read-ahead downloads pass before they start (`PartQueue`: fair between readers).
 ///
 /// The idea: aggregate throughput is measured over epochs of at least a few completed parts.
 /// While the readers keep every slot busy (there is always a part waiting), the number of parts
@@ -290,17 +290,23 @@ struct TransferPlan: Equatable {
 }
 
 /// `TransferPlan` with a clock and a lock, and the gate read-ahead downloads pass: at most
-/// `parts` of them run at once, started in the order they asked.
+/// `parts` of them run at once, a free slot going to the reader with the fewest running
+/// (`PartQueue`). A part waits in the queue, not on a thread: it is handed to its pool only
+/// once it has a slot, so parts that wait can never hold every thread while another reader's
+/// parts sit behind them in the pool's own queue.
 final class TransferController: Sendable {
+    /// A queued part: what it runs, and on which threads.
+    struct Job: Sendable {
+        let pool: WorkerPool
+        let run: @Sendable () -> Void
+    }
+
     private struct State: ~Copyable {
         var plan: TransferPlan
-        var running = 0
-        var nextTicket = 0
-        var serving = 0
+        var queue = PartQueue<ObjectIdentifier, Job>()
     }
 
     private let state: Mutex<State>
-    private let condition = NSCondition()
     let limits: TransferPlan.Limits
     /// The store's fastest answer yet (`ObjectStore.fastestFirstByte`).
     private let fastestAnswer: @Sendable () -> Double?
@@ -331,7 +337,12 @@ final class TransferController: Sendable {
         state.withLock { $0.plan.startJudged ? !$0.plan.isNear : nil } ?? ((fastestAnswer() ?? 0) >= limits.farHint)
     }
     /// Parts downloading now.
-    var running: Int { state.withLock { $0.running } }
+    var running: Int { state.withLock { $0.queue.running } }
+    /// Readers (open files) with read-ahead waiting or running, `reader` counted whether or not
+    /// it has any: how many share the slots if `reader` asks for more.
+    func sharingReaders(with reader: ObjectIdentifier) -> Int {
+        state.withLock { $0.queue.readers + ($0.queue.isSharing(reader) ? 0 : 1) }
+    }
 
     /// A download other than read-ahead (a reader's own) got its first byte after `firstByte`.
     func noteFirstByte(_ firstByte: Double) { state.withLock { $0.plan.judgeStart(firstByte: firstByte) } }
@@ -339,48 +350,43 @@ final class TransferController: Sendable {
     /// A reader waits for a part still downloading.
     func noteReaderWaited() { state.withLock { $0.plan.noteReaderWaited() } }
 
-    /// Waits for a slot, first come first served.
-    func acquire() {
-        let ticket = state.withLock { s -> Int in
-            defer { s.nextTicket += 1 }
-            return s.nextTicket
+    /// Queues a read-ahead part of `reader`'s: `run` goes to `pool` once the part has a slot,
+    /// and must give it back with `release(for: reader, …)`.
+    func enqueue(for reader: ObjectIdentifier, on pool: WorkerPool, _ run: @escaping @Sendable () -> Void) {
+        let ready = state.withLock { s -> [Job] in
+            s.queue.add(Job(pool: pool, run: run), for: reader)
+            return Self.startable(&s)
         }
-        condition.lock()
-        defer { condition.unlock() }
-        while true {
-            let go = state.withLock { s -> Bool in
-                guard s.serving == ticket else { return false }
-                if s.running < s.plan.parts {
-                    if s.running == 0 { s.plan.startedAfterIdle(now: monotonicNow()) }
-                    s.running += 1
-                    s.serving += 1
-                    return true
-                }
-                s.plan.noteWaiting()
-                return false
-            }
-            if go {
-                condition.broadcast()
-                return
-            }
-            _ = condition.wait(until: Date().addingTimeInterval(0.1))
+        for job in ready { job.pool.submit(job.run) }
+    }
+
+    /// Takes the parts that may start now off the queue. Parts still waiting after that mean
+    /// the slots are all busy: the epoch is saturated (`TransferPlan.noteWaiting`).
+    private static func startable(_ s: inout State) -> [Job] {
+        var ready: [Job] = []
+        while s.queue.running < s.plan.parts, s.queue.waiting > 0 {
+            if s.queue.running == 0 { s.plan.startedAfterIdle(now: monotonicNow()) }
+            guard let next = s.queue.next() else { break }
+            ready.append(next.job)
         }
+        if s.queue.waiting > 0 { s.plan.noteWaiting() }
+        return ready
     }
 
     /// A slot is given back: the part moved `bytes` in `seconds` (first byte after
     /// `firstByte`), or failed (`refused`: the server asked for fewer requests).
-    func release(bytes: Int64, seconds: Double, firstByte: Double, failed: Bool = false, refused: Bool = false) {
+    func release(for reader: ObjectIdentifier, bytes: Int64, seconds: Double, firstByte: Double,
+                 failed: Bool = false, refused: Bool = false) {
         let now = monotonicNow()
-        state.withLock { s in
-            s.running -= 1
+        let ready = state.withLock { s -> [Job] in
+            s.queue.finished(for: reader)
             if refused {
                 s.plan.refused(now: now)
             } else if !failed {
                 s.plan.completed(bytes: bytes, seconds: seconds, firstByte: firstByte, now: now)
             }
+            return Self.startable(&s)
         }
-        condition.lock()
-        condition.broadcast()
-        condition.unlock()
+        for job in ready { job.pool.submit(job.run) }
     }
 }
