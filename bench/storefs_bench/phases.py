@@ -188,11 +188,12 @@ def parallel_phase(sr: SystemRun, n: int, key: str, busy_key: str | None) -> Non
         with sr.mount(cache) as m:
             drop_caches()
             j0, t0 = cpu_jiffies(), time.monotonic()
-            v = parallel_readers_mibs(sr.big, sr.ctx.size, m.pid, n)
+            v, spread = parallel_readers_mibs(sr.big, sr.ctx.size, m.pid, n)
             if busy_key:
                 sr.put_extra(busy_key, busy_share(j0, cpu_jiffies(), time.monotonic() - t0))
             sr.put(key, v)
-            log(f"  {sr.system} {n} parallel readers {v:.0f} MiB/s")
+            sr.put_extra(f"spread_{key}", spread)
+            log(f"  {sr.system} {n} parallel readers {v:.0f} MiB/s, slowest reader {spread:.2f}× the fastest's time")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 

@@ -110,14 +110,16 @@ def slice_dd_argvs(path: str, size: int, n: int) -> tuple:
              for i in range(n)], slice_mib)
 
 
-def parallel_readers_mibs(path: str, size: int, daemon_pid: int | None, n: int) -> float:
-    """n dd readers at once on disjoint slices; MiB/s = total bytes / wall time."""
+def parallel_readers_mibs(path: str, size: int, daemon_pid: int | None, n: int) -> tuple:
+    """n dd readers at once on disjoint slices; (MiB/s = total bytes / wall time, the slowest
+    reader's dd time over the fastest's: 1 when they shared the link evenly)."""
     argvs, slice_mib = slice_dd_argvs(path, size, n)
     results, wall = run_dds(argvs, daemon_pid)
     total = sum(b for b, _ in results)
     if total != slice_mib * MIB * n:
         raise BenchError(f"parallel readers got {total} bytes, want {slice_mib * MIB * n}")
-    return total / MIB / wall
+    times = [t for _, t in results]
+    return total / MIB / wall, max(times) / max(min(times), 1e-6)
 
 
 # --------------------------------------------------------------------------- child-process loops

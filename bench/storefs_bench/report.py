@@ -81,6 +81,8 @@ def fmt_extra(v, unit: str) -> str:
         return "-"
     if unit == "%":
         return f"{v:.0f}%"
+    if unit == "×":
+        return f"{v:.2f}×"
     return f"{v:.2f} {unit}" if unit == "s" else f"{fmt(v, unit)} {unit}"
 
 
@@ -266,6 +268,8 @@ def print_extras(base: dict, extra: dict, size_mib: int) -> None:
             ("rand_cached_after_drop_caches_p99_us", "random 4K p99 cached after drop_caches", "µs"),
             ("machine_busy_pct_cold_seq", "machine CPU busy during the cold sequential read (all CPUs = 100)", "%"),
             ("machine_busy_pct_par8", f"machine CPU busy during the {READERS} parallel readers", "%"),
+            ("spread_par8", f"{READERS} parallel readers: the slowest one's time over the fastest's (1 = an even share)", "×"),
+            ("spread_par4", "4 parallel readers: the slowest one's time over the fastest's", "×"),
             ("daemon_cpu_s_per_gib_cold_seq", "daemon CPU-s per GiB, cold sequential", "s"),
             ("server_cpu_s_per_gib_cold_seq", "fake-gcs-server CPU-s per GiB, cold sequential", "s"),
             ("server_mib_sent_cold_seq", f"bytes served by fake-gcs-server during the cold sequential read of {size_mib} MiB", "MiB"),
