@@ -451,8 +451,8 @@ public final class BlockReader: Sendable {
         // more: alone, all of them; beside other readers that want read-ahead, an equal share
         // (the gate shares the slots so, `PartQueue`), so that N readers together hold about
         // the parts in flight plus two each, not N times all of them.
-        let (parts, part, near) = transfers.current
-        let share = config.adaptive ? max(1, parts / transfers.sharingReaders(with: ObjectIdentifier(stream))) : parts
+        let (parts, part, near, readers) = transfers.current(for: ObjectIdentifier(stream))
+        let share = config.adaptive ? max(1, parts / readers) : parts
         let limit = config.adaptive ? Int64(share + 2) * part : config.readAhead
         let (ahead, isStream) = stream.detector.withLock {
             ($0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), $0.hasEvidence)

@@ -7,7 +7,7 @@
 /// run as many, to the part that asked first. So readers that want more than their share get
 /// equal shares, and one that wants less gets all it asks. One queue for all, in the order the
 /// parts asked, served the reader whose window opened first before everyone else: 4 readers of
-/// disjoint slices through `wan` finished 1.5–2× apart, and the last one ran alone at the end
+/// disjoint slices through `wan` finished 2–3.4× apart, and the last one ran alone at the end
 /// with a window too narrow to fill the link.
 struct PartQueue<Reader: Hashable, Job> {
     private struct Waiting {

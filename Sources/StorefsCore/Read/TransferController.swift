@@ -321,13 +321,25 @@ final class TransferController: Sendable {
     var parts: Int { state.withLock { $0.plan.parts } }
     /// Size of the next read-ahead part.
     var partSize: Int64 { state.withLock { $0.plan.partSize } }
-    /// Both at once, under one lock (every read asks: a FUSE thread's hot path). Until the
-    /// server is found near, the store's fastest answer (a lookup's) may say so first.
+    /// All at once, under one lock (every read asks: a FUSE thread's hot path), with how many
+    /// readers share the slots if `reader` asks for more (`sharingReaders`). Until the server is
+    /// found near, the store's fastest answer (a lookup's) may say so first.
+    func current(for reader: ObjectIdentifier) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int) {
+        state.withLock { s in
+            noteFastestAnswer(&s)
+            return (s.plan.parts, s.plan.partSize, s.plan.isNear, Self.sharing(s.queue, with: reader))
+        }
+    }
+    /// The same without the readers (tests).
     var current: (parts: Int, partSize: Int64, isNear: Bool) {
         state.withLock { s in
-            if !s.plan.isNear, let seconds = fastestAnswer() { s.plan.noteAnswer(seconds: seconds) }
+            noteFastestAnswer(&s)
             return (s.plan.parts, s.plan.partSize, s.plan.isNear)
         }
+    }
+
+    private func noteFastestAnswer(_ s: inout State) {
+        if !s.plan.isNear, let seconds = fastestAnswer() { s.plan.noteAnswer(seconds: seconds) }
     }
     /// The server is near (`TransferPlan.isNear`).
     var isNear: Bool { state.withLock { $0.plan.isNear } }
@@ -341,7 +353,11 @@ final class TransferController: Sendable {
     /// Readers (open files) with read-ahead waiting or running, `reader` counted whether or not
     /// it has any: how many share the slots if `reader` asks for more.
     func sharingReaders(with reader: ObjectIdentifier) -> Int {
-        state.withLock { $0.queue.readers + ($0.queue.isSharing(reader) ? 0 : 1) }
+        state.withLock { Self.sharing($0.queue, with: reader) }
+    }
+
+    private static func sharing(_ queue: borrowing PartQueue<ObjectIdentifier, Job>, with reader: ObjectIdentifier) -> Int {
+        queue.readers + (queue.isSharing(reader) ? 0 : 1)
     }
 
     /// A download other than read-ahead (a reader's own) got its first byte after `firstByte`.
