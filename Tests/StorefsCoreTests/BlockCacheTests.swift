@@ -474,6 +474,33 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(ahead <= 2)
     }
 
+    @Test func cachedBytesAreWarmedAShortReachAheadOfAStreamOnly() {
+        // The download window grows to 64 MiB; cached bytes are asked from disk 4 MiB ahead of
+        // the reader, each byte once, and not at all for random reads.
+        var p = Prefetcher(minWindow: 2 << 20, maxWindow: 64 << 20)
+        let mib: Int64 = 1 << 20, size: Int64 = 100 * mib, reach: Int64 = 4 * mib
+        var warmed: [Range<Int64>] = []
+        for i in 0..<Int64(20) {
+            _ = p.observe(offset: i * mib, count: 1 << 20, size: size, granularity: 8 * mib)
+            if let r = p.warm(reach: reach, size: size) {
+                #expect(r.upperBound <= (i + 1) * mib + reach, "\(r) reaches past the read's end + 4 MiB")
+                #expect(warmed.last.map { $0.upperBound == r.lowerBound } ?? (r.lowerBound == mib))
+                warmed.append(r)
+            }
+        }
+        #expect(warmed.last?.upperBound == 24 * mib)
+        // A jump elsewhere is not a stream: nothing is warmed, then a new streak warms from its end.
+        _ = p.observe(offset: 70 * mib, count: 4096, size: size)
+        #expect(p.warm(reach: reach, size: size) == nil)
+        _ = p.observe(offset: 70 * mib + 4096, count: 4096, size: size)
+        #expect(p.warm(reach: reach, size: size) == nil)
+        _ = p.observe(offset: 70 * mib + 8192, count: 4096, size: size)
+        #expect(p.warm(reach: reach, size: size) == (70 * mib + 12288)..<(74 * mib + 12288))
+        // Never past the end of the file.
+        _ = p.observe(offset: 70 * mib + 12288, count: 28 << 20, size: size)
+        #expect(p.warm(reach: reach, size: size) == (98 * mib + 12288)..<size)
+    }
+
     @Test func windowStopsAtEndOfFile() {
         var p = Prefetcher(minWindow: 8 << 20, maxWindow: 64 << 20)
         #expect(p.observe(offset: 0, count: 1 << 20, size: 3 << 20) == (1 << 20)..<(3 << 20))

@@ -677,3 +677,46 @@ def test_sequential_read_memory_stays_within_memory_limit(mount, emulator, cdata
     assert growth <= limit + slack, (
         f"peak RSS grew by {growth / MiB:.1f} MiB during the read: more than memory_limit "
         f"({limit / MiB:.0f} MiB) + {slack / MiB:.0f} MiB of fixed buffers")
+
+
+# ---------------------------------------------------------------------- 14. cached runs ahead
+def resident_bytes(path: str) -> int:
+    """Bytes of `path` in the page cache now (util-linux fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def test_a_reader_of_cached_bytes_has_them_read_from_disk_only_a_short_way_ahead(mount, cdata):
+    """A sequential reader of a cached file has the kernel read the cache file ahead of it,
+    4 MiB ahead (docs/architecture.md, "Cached runs ahead"), not across its whole download
+    window: a reader that stops (`head`, readers of slices of one file) left up to the window
+    (here the whole 20 MiB file, on a 1 GiB file 200 MiB) read from disk for nothing."""
+    m = mount(CB)
+    assert read_file(m.p(SEQ)) == cdata[SEQ]
+    assert mount.unmount(m) == []
+    data = max(cache_files(m.cache_dir), key=os.path.getsize)
+    assert os.path.getsize(data) >= SEQ_SIZE, f"no cache file holds {SEQ}: {cache_files(m.cache_dir)}"
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert resident_bytes(data) < 1 * MiB
+
+    again = mount(CB, cache_dir=m.cache_dir)
+    # Four 1 MiB reads and no more: the kernel's own readahead is off for this descriptor.
+    got = pread_ranges(again.p(SEQ), [(i * MiB, MiB) for i in range(4)], random_access=True)
+    assert b"".join(got) == cdata[SEQ][:4 * MiB]
+    # The asks run on prefetch threads: let them land, then count what the disk was asked for.
+    deadline = time.monotonic() + 2
+    seen = resident_bytes(data)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = resident_bytes(data)
+        if now == seen and now >= 4 * MiB:
+            break
+        seen = now
+    assert 4 * MiB <= seen <= 9 * MiB, (
+        f"{seen / MiB:.1f} MiB of the cache file read into memory for a reader that read 4 MiB "
+        "(want the 4 MiB read and at most 4 MiB ahead, plus the file's index)")

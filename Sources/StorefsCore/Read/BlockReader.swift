@@ -454,9 +454,11 @@ public final class BlockReader: Sendable {
         let (parts, part, near, readers) = transfers.current(for: ObjectIdentifier(stream))
         let share = config.adaptive ? max(1, parts / readers) : parts
         let limit = config.adaptive ? Int64(share + 2) * part : config.readAhead
-        let (ahead, isStream) = stream.detector.withLock {
-            ($0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), $0.hasEvidence)
+        let (ahead, isStream, warm) = stream.detector.withLock {
+            ($0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), $0.hasEvidence,
+             stream.cached == nil ? nil : $0.warm(reach: Self.warmReach, size: stream.meta.size))
         }
+        if let warm { self.warm(stream, warm) }
         guard let ahead else { return }
         // Only for a stream (a short read's first window needs no more connections) with bytes
         // to download (a cached file read on a far mount needs none).
@@ -568,11 +570,40 @@ public final class BlockReader: Sendable {
         return flight
     }
 
+    /// How far ahead of a sequential reader its cached blocks are asked from the cache file.
+    static let warmReach: Int64 = 4 << 20
+
+    /// Has the kernel read the cached blocks in `range` that no download holds in memory from
+    /// the cache file, on a prefetch thread (`Prefetcher.warm`): a sequential reader of cached
+    /// bytes then finds them in the page cache. Blocks still in memory are read from there.
+    private func warm(_ stream: Stream, _ range: Range<Int64>) {
+        guard let c = stream.cached else { return }
+        let first = Int(range.lowerBound / Int64(blockSize))
+        let last = Int((range.upperBound - 1) / Int64(blockSize))
+        let cachedMask = c.cachedMask(first...last)
+        let comingMask = stream.flights.coveredMask(first...last)
+        var b = first
+        while b <= last {
+            guard cachedMask[b - first], !comingMask[b - first] else {
+                b += 1
+                continue
+            }
+            var end = b
+            while end < last, cachedMask[end + 1 - first], !comingMask[end + 1 - first] { end += 1 }
+            let blocks = b...end
+            c.open()
+            prefetchPool.submit { [self] in
+                c.willNeed(blocks: blocks)
+                self.cache?.release(c)
+            }
+            b = end + 1
+        }
+    }
+
     /// Schedules read-ahead downloads for the bytes in `range`, in parts, skipping blocks that
     /// are cached or already coming; stops where the memory budget is used up and returns where
-    /// it stopped (nil when all of it is scheduled). Cached runs in the window are read from
-    /// disk ahead of the reader instead. Called on FUSE threads by many readers at once: it
-    /// looks at the cache index and the flight table once each, not once per block.
+    /// it stopped (nil when all of it is scheduled). Called on FUSE threads by many readers at
+    /// once: it looks at the cache index and the flight table once each, not once per block.
     private func schedule(_ stream: Stream, _ range: Range<Int64>) -> Int64? {
         let meta = stream.meta
         let first = Int(range.lowerBound / Int64(blockSize))
@@ -583,22 +614,9 @@ public final class BlockReader: Sendable {
         // other order could miss a part whose cache copy ended in between and fetch it again.
         let comingMask = stream.flights.coveredMask(first...last)
         let cachedMask = stream.cached?.cachedMask(first...last) ?? [Bool](repeating: false, count: last - first + 1)
-        func cached(_ b: Int) -> Bool { cachedMask[b - first] }
         func taken(_ b: Int) -> Bool { cachedMask[b - first] || comingMask[b - first] }
         var b = first
         while b <= last {
-            if let c = stream.cached, cached(b) {
-                var end = b
-                while end < last, cached(end + 1) { end += 1 }
-                let blocks = b...end
-                c.open()
-                prefetchPool.submit { [self] in
-                    c.willNeed(blocks: blocks)
-                    self.cache?.release(c)
-                }
-                b = end + 1
-                continue
-            }
             if taken(b) {
                 b += 1
                 continue

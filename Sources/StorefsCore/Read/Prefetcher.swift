@@ -25,6 +25,10 @@ struct Prefetcher {
     private var streakStart: Int64 = 0
     private var window: Int64
     private var scheduledUntil: Int64 = 0
+    /// Whether the last read continued a stream (read-ahead applies), and how far the cache
+    /// file has been asked into memory ahead of it (`warm`).
+    private var sequential = false
+    private var warmedUntil: Int64 = 0
 
     init(minWindow: Int64, maxWindow: Int64) {
         self.minWindow = min(minWindow, maxWindow)
@@ -49,11 +53,14 @@ struct Prefetcher {
             window = minWindow
             expected = end
             scheduledUntil = end
+            warmedUntil = end
             streakStart = offset
+            sequential = false
             return nil
         }
         streak += 1
-        guard maxWindow > 0, streak >= 2 || count >= Self.largeRead else { return nil }
+        sequential = maxWindow > 0 && (streak >= 2 || count >= Self.largeRead)
+        guard sequential else { return nil }
         // ×4 per read: on a far link each read waits a round trip, so the window must reach
         // the link's bandwidth-delay product in a few reads; a short read (head -c) stays small.
         window = streak > 2 && hasEvidence ? min(window * 4, cap) : min(window, cap)
@@ -67,6 +74,21 @@ struct Prefetcher {
         let unit = max(1, granularity ?? minWindow)
         if to < size, to - from > unit { to = from + (to - from) / unit * unit }
         scheduledUntil = to
+        return from..<to
+    }
+
+    /// The bytes of the file to ask the kernel to read from the cache file now, after the read
+    /// `observe` just saw: those from where the last such ask ended up to `reach` past the
+    /// read's end, while the reads continue a stream. Cached bytes are a local disk read away,
+    /// so they are asked for a short distance ahead, not across the whole download window: a
+    /// reader that stops (`head`, one of several readers of slices of one file) leaves at most
+    /// `reach` read from the disk for nothing (docs/architecture.md, "Cached runs ahead").
+    mutating func warm(reach: Int64, size: Int64) -> Range<Int64>? {
+        guard sequential else { return nil }
+        let from = max(warmedUntil, expected)
+        let to = min(size, expected + reach)
+        guard to > from else { return nil }
+        warmedUntil = to
         return from..<to
     }
 
