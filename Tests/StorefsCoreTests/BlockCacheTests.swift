@@ -675,8 +675,9 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
 
     /// Far from the server read-ahead stays in memory until its reader has read it, as near it
     /// (on a busy machine the daemon's CPU sets the pace there too), and its reader is replied
-    /// from it; its cache copy goes through the page cache, where a reader finds it if memory
-    /// ran short and the part was let go.
+    /// from it; its cache copy goes past the page cache, as near it (a copy into fresh page-cache
+    /// pages cost more than the read-backs of parts let go when memory ran short saved,
+    /// docs/architecture.md, "Cache writes").
     @Test func farFromTheServerReadAheadStaysInMemoryUntilRead() throws {
         let (store, bytes, _, reader) = try streaming(size: 32 << 20, cached: true, readAhead: 16 << 20)
         store.reportFirstByte(0.030)
@@ -691,7 +692,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(stream.flights.flight(for: block) != nil, "the landed part was let go before its reader read it")
         let c = try #require(stream.cached)
         let pages = residentPages(c.path, offset: c.format.blockOffset(block), length: 1 << 20)
-        #expect(!pages.isEmpty && pages.allSatisfy { $0 }, "\(pages.filter { !$0 }.count) of \(pages.count) pages not in the page cache")
+        #expect(!pages.isEmpty && pages.allSatisfy { !$0 }, "\(pages.filter { $0 }.count) of \(pages.count) pages in the page cache")
         var sent: [UInt8] = []
         var wasSent = false
         #expect(out.withUnsafeMutableBytes { dst in

@@ -620,11 +620,10 @@ final class CachedObject: Sendable {
     }
 
     /// Stores whole blocks starting at `first` from `bytes` (which hold exactly those blocks):
-    /// each run of absent blocks with one data write and one index write.
-    /// `readSoon`: the bytes will be read back from this file moments from now, so they go
-    /// through the page cache, where that read finds them (docs/architecture.md, "Cache writes").
-    func store(first: Int, _ bytes: UnsafeRawBufferPointer, readSoon: Bool = false, ahead: Bool = false) {
-        let serial = readSoon || state.withLock { $0.directFD < 0 || $0.directRefused }
+    /// each run of absent blocks with one data write and one index write (docs/architecture.md,
+    /// "Cache writes").
+    func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false) {
+        let serial = state.withLock { $0.directFD < 0 || $0.directRefused }
         if serial { writing.lock() }
         defer { if serial { writing.unlock() } }
         // A file whose directory was deleted under the mount takes no more blocks: they could
@@ -662,7 +661,7 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let (fd, direct) = state.withLock { ($0.fd, readSoon || $0.directRefused ? -1 : $0.directFD) }
+            let (fd, direct) = state.withLock { ($0.fd, $0.directRefused ? -1 : $0.directFD) }
             guard fd >= 0 else {
                 cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
                 return

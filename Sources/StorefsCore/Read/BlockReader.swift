@@ -885,12 +885,7 @@ public final class BlockReader: Sendable {
         if let cached = stream.cached {
             // The disk write outside the object's check lock, the check under it: never beside
             // a completing download's check (which could then find only dropped blocks).
-            // Read-ahead on a far link is written through the page cache: when memory runs
-            // short its reader reads it back from the cache file moments later, there a copy;
-            // past it, a disk read per FUSE request, and the disk carries every byte twice
-            // (docs/architecture.md, "Cache writes").
-            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer),
-                         readSoon: flight.isReadAhead && !transfers.isNear, ahead: flight.isReadAhead)
+            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer), ahead: flight.isReadAhead)
             stream.flights.stored(flight)
             if case .mismatch = stream.flights.deciding({ cached.checkIfComplete() }) {
                 // Completed by a write made after its bytes were served (a cache copy written
