@@ -211,6 +211,39 @@ import Testing
         #expect(Int64(o.plan.parts) * o.plan.partSize <= 256 << 20)
     }
 
+    /// Near the server a slow first byte is the machine's load, not distance (8 readers and the
+    /// server on 2 cores: 3–15 ms): parts stay 2 MiB where a far server's would grow.
+    @Test func nearTheServerPartsDoNotGrowWhateverTheFirstByte() {
+        var limits = TransferPlan.Limits(startParts: 8)
+        limits.maxParts = 8
+        var plan = TransferPlan(limits: limits, now: 0)
+        plan.noteAnswer(seconds: 0.0005)
+        #expect(plan.isNear && plan.partSize == limits.nearPartSize)
+        var t = 0.0
+        for _ in 0..<200 {
+            // Every part waits 10 ms for a first byte that a 2 MiB part then takes 5 ms to follow.
+            for _ in 0..<plan.parts {
+                plan.noteWaiting()
+                plan.noteReaderWaited()
+                t += 0.015 / Double(plan.parts)
+                plan.completed(bytes: plan.partSize, seconds: 0.015, firstByte: 0.010, now: t)
+            }
+        }
+        #expect(plan.partSize == limits.nearPartSize, "parts grew to \(plan.partSize >> 20) MiB")
+        // The same answers from a far server (the count at its ceiling) grow them.
+        var far = TransferPlan(limits: limits, now: 0)
+        t = 0
+        for _ in 0..<200 {
+            for _ in 0..<far.parts {
+                far.noteWaiting()
+                far.noteReaderWaited()
+                t += 0.015 / Double(far.parts)
+                far.completed(bytes: far.partSize, seconds: 0.015, firstByte: 0.010, now: t)
+            }
+        }
+        #expect(!far.isNear && far.partSize > 8 << 20, "far parts \(far.partSize >> 20) MiB")
+    }
+
     /// Where memory bounds the count, more parts beat larger ones: a far, fast link fills
     /// memory with 8 MiB parts rather than growing them.
     @Test func withinMemoryMorePartsBeatLargerOnes() {

@@ -50,7 +50,7 @@ struct TransferPlan: Equatable {
         /// Parts start this large near the server (never above `startPartSize`): a first byte
         /// that comes at once is no reason for large parts, and every byte in flight is a
         /// resident, page-faulted buffer (loopback, 8 readers: 11% of the daemon's CPU went to
-        /// faulting in 8 MiB parts). They still double where the first byte weighs.
+        /// faulting in 8 MiB parts). Nor do they grow there (`endEpoch`).
         var nearPartSize: Int64 = 2 << 20
         /// And at most this many run at once near the server: there the daemon's CPU sets the
         /// pace, a step up that seems to pay is the ramp of readers still joining, and each
@@ -206,8 +206,11 @@ struct TransferPlan: Equatable {
         // time. Judged per byte, not from the parts' own times: the first parts of a stream are
         // small (the window is still opening) and would all look like waiting. And only once
         // the count has found its level: until then new connections add their set-up to the
-        // wait, and within the memory bound more parts beat larger ones.
-        if !slowStart || limits.fixedParts != nil, epochParts > 0, partSize < limits.maxPartSize,
+        // wait, and within the memory bound more parts beat larger ones. Never near the server:
+        // there the wait is the machine's load (a busy server, 8 readers on 2 cores), which no
+        // part size shortens, and parts grown to 16 MiB took 8 readers on loopback past their
+        // memory bound (docs/architecture.md, "Adaptive transfers": Near).
+        if !slowStart || limits.fixedParts != nil, !isNear, epochParts > 0, partSize < limits.maxPartSize,
            Int64(parts) * partSize * 2 <= limits.memoryLimit {
             let wait = epochFirstByte / Double(epochParts)
             let moving = epochPartTime - epochFirstByte
