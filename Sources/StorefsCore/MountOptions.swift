@@ -42,7 +42,7 @@ public struct MountOptions: Sendable, Equatable {
     /// 16 KiB, measured (bench/run, 1 GiB): random 4 KiB reads cost a 16 KiB GET and cache write
     /// (p50 ~355 µs cold vs ~400 at 64K, ~320 at 4K) and a 16 KiB verify when cached; 4K blocks
     /// made 8 parallel readers ~20% slower (per-block bookkeeping) and cost 4 MiB of index
-    /// memory per cached GiB. Sequential reads fetch whole 8 MiB parts at any block size.
+    /// memory per cached GiB. Sequential reads fetch whole parts (4 MiB, 2 near the server) at any block size.
     public var blockSize = 16 << 10
     /// The widest read-ahead window of one reader; nil: `memoryLimit` (the window follows
     /// the parts in flight, docs/architecture.md, "Adaptive transfers").

@@ -101,7 +101,9 @@ public final class BlockReader: Sendable {
         let maxPartSize = config.adaptive ? max(config.partSize, 32 << 20) : config.partSize
         transfers = TransferController(limits: .init(
             startParts: config.adaptive ? min(16, config.parallel) : config.parallel, minParts: min(2, config.parallel),
-            maxParts: config.parallel, startPartSize: config.partSize, maxPartSize: maxPartSize,
+            maxParts: config.parallel,
+            startPartSize: config.adaptive ? min(config.partSize, TransferPlan.Limits.adaptiveStartPartSize) : config.partSize,
+            maxPartSize: maxPartSize,
             memoryLimit: config.adaptive ? config.memoryLimit / 4 * 3 : config.memoryLimit,
             fixedParts: config.adaptive ? nil : config.parallel), fastestAnswer: { [store] in store.fastestFirstByte })
         // Regions as large as the largest part: a grown part never takes a mapping of its own

@@ -25,7 +25,12 @@ struct TransferPlan: Equatable {
         var startParts = 8
         var minParts = 2
         var maxParts = 32
-        var startPartSize: Int64 = 8 << 20
+        /// Parts start this large (`parallel=` fixes its own size, 8 MiB): within the memory
+        /// bound more parts beat larger ones, and parts grow only once the count cannot
+        /// (`endEpoch`). Through `wan`, 4 MiB parts moved as much as 8 MiB ones with ~80 MiB
+        /// less peak RSS (docs/architecture.md, "Adaptive transfers": Size).
+        static let adaptiveStartPartSize: Int64 = 4 << 20
+        var startPartSize: Int64 = adaptiveStartPartSize
         var maxPartSize: Int64 = 32 << 20
         /// Bytes all parts in flight may hold.
         var memoryLimit: Int64 = 256 << 20
@@ -204,14 +209,18 @@ struct TransferPlan: Equatable {
         let rate = epochPartTime > 0 ? Double(epochBytes) / epochPartTime * Double(parts) : Double(epochBytes) / max(elapsed, 1e-6)
         // Parts grow where waiting for the first byte would be a large share of a full part's
         // time. Judged per byte, not from the parts' own times: the first parts of a stream are
-        // small (the window is still opening) and would all look like waiting. And only once
-        // the count has found its level: until then new connections add their set-up to the
-        // wait, and within the memory bound more parts beat larger ones. Never near the server:
+        // small (the window is still opening) and would all look like waiting. And only where
+        // the count has left slow start and cannot grow (its ceiling, or `parallel=`): until
+        // then new connections add their set-up to the wait, and more parts beat larger ones
+        // (their first bytes are waited for side by side; a larger part holds more memory per
+        // connection for the same speed). Parts that doubled as soon as the count settled
+        // below its ceiling (18 of 8 MiB through `wan`, where 18 of 4 MiB move as much) held
+        // 270 MiB where 190 do. Never near the server:
         // there the wait is the machine's load (a busy server, 8 readers on 2 cores), which no
         // part size shortens, and parts grown to 16 MiB took 8 readers on loopback past their
         // memory bound (docs/architecture.md, "Adaptive transfers": Near).
-        if !slowStart || limits.fixedParts != nil, !isNear, epochParts > 0, partSize < limits.maxPartSize,
-           Int64(parts) * partSize * 2 <= limits.memoryLimit {
+        if limits.fixedParts != nil || (!slowStart && clamp(parts + 1) == parts), !isNear, epochParts > 0,
+           partSize < limits.maxPartSize, Int64(parts) * partSize * 2 <= limits.memoryLimit {
             let wait = epochFirstByte / Double(epochParts)
             let moving = epochPartTime - epochFirstByte
             if moving > 0 {
