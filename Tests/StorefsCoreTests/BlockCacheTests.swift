@@ -244,6 +244,55 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         again.release(o)
     }
 
+    /// Stores beside direct data writes set their index entries before waiting for the file's
+    /// index lock, and whoever takes it next writes every page set since: 8 stores that queue
+    /// behind one index write make one write between them, not 8 one after the other (each
+    /// waits for the disk: on a cold loopback read 40 finished parts waited in that queue),
+    /// and every entry is on disk, as a reopened cache shows.
+    @Test func storesQueuedBehindAnIndexWriteAreWrittenTogether() throws {
+        var m = meta
+        m.size = 4 << 20
+        let bytes = pattern(Int(m.size), seed: 13)
+        let buffer = aligned(bytes)
+        defer { buffer.deallocate() }
+        let block = 16 << 10
+        let address = Int(bitPattern: buffer.baseAddress)
+        @Sendable func slice(_ b: Int) -> UnsafeRawBufferPointer {
+            UnsafeRawBufferPointer(start: UnsafeRawPointer(bitPattern: address)! + b * block, count: block)
+        }
+        let stores = [3, 40, 77, 100, 130, 170, 200, 255]
+        do {
+            let cache = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: block)
+            let o = try #require(cache.acquire(endpoint: "e", meta: m))
+            o.store(first: 0, slice(0))  // allocates the index pages: later writes overwrite
+            let before = o.indexWrites
+            let group = DispatchGroup()
+            let queued = o.withIndexWritesHeld { () -> UInt64 in
+                for b in stores {
+                    DispatchQueue.global().async(group: group) { o.store(first: b, slice(b)) }
+                }
+                let deadline = Date().addingTimeInterval(10)
+                while o.unwrittenIndexSets < UInt64(stores.count), Date() < deadline { usleep(1000) }
+                return o.unwrittenIndexSets
+            }
+            group.wait()
+            #expect(queued == UInt64(stores.count), "entry sets waiting for the index lock")
+            #expect(o.indexWrites - before == 1, "index writes for \(stores.count) queued stores")
+            #expect(o.unwrittenIndexSets == 0)
+            cache.release(o)
+        }
+        let again = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: block)
+        let o = try #require(again.acquire(endpoint: "e", meta: m))
+        let missing = ([0] + stores).filter { !o.isCached($0) }
+        #expect(missing.isEmpty, "blocks without an entry on disk: \(missing)")
+        var got = [UInt8](repeating: 0, count: block)
+        for b in stores {
+            #expect(got.withUnsafeMutableBytes { o.read(at: Int64(b * block), into: $0) })
+            #expect(got.elementsEqual(bytes[(b * block)..<((b + 1) * block)]))
+        }
+        again.release(o)
+    }
+
     /// A 40 MiB object (three 16 MiB allocation chunks) and a 2 MiB part of it, page-aligned.
     func fortyMiBObjectAndAPart(seed: UInt8) -> (ObjectMetadata, UnsafeMutableRawBufferPointer) {
         var m = meta

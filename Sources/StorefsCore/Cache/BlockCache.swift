@@ -430,6 +430,13 @@ final class CachedObject: Sendable {
         var allocatedChunks = Set<Int>()
         /// The index pages are allocated, so writing one is an overwrite (`writeEntries`).
         var indexAllocated = false
+        /// Index pages (by page number in the file) holding entries set in memory beside
+        /// direct data writes and not written since (`writeDirtyPages`).
+        var dirtyPages = Set<Int>()
+        /// Entry sets made beside direct data writes, and how many of the first of them are
+        /// on disk: a store whose set is among those has nothing left to write.
+        var setsMade: UInt64 = 0
+        var setsWritten: UInt64 = 0
         /// The file's allocation was checked against its blocks since this mount opened it
         /// (`trimAllocation`).
         var allocationChecked = false
@@ -458,10 +465,28 @@ final class CachedObject: Sendable {
     /// They allocate their range first, so each is an overwrite, which ext4 lets run under a
     /// shared inode lock (docs/architecture.md, "Cache writes").
     private let writing = NSLock()
-    /// Index entries are set in memory and written under this lock, one write at a time per
-    /// file: a page built from memory (`writeEntryPages`) holds every entry set before it, and
-    /// no entry is written after a page built without it.
+    /// Index entries are written under this lock, one write at a time per file: a page built
+    /// from memory (`writeEntryPages`) holds every entry set before it, and no entry is
+    /// written after a page built without it. Beside direct data writes, entries are set in
+    /// memory before it is taken and whoever holds it writes every page set since the last
+    /// write (a group commit, docs/architecture.md, "Cache writes"): one direct page write
+    /// takes about a millisecond here, and one per store, in turn, held up to 40 finished
+    /// parts (80 MiB) in memory behind it on a cold loopback read.
     private let indexWriting = NSLock()
+    private let indexWriteCount = Atomic<Int>(0)
+
+    /// Index writes made, direct or buffered (tests).
+    var indexWrites: Int { indexWriteCount.load(ordering: .relaxed) }
+
+    /// Entry sets made beside direct data writes and not on disk yet (tests).
+    var unwrittenIndexSets: UInt64 { state.withLock { $0.setsMade - $0.setsWritten } }
+
+    /// Runs `body` while no index write of this file can start (tests: stores queue up).
+    func withIndexWritesHeld<T>(_ body: () throws -> T) rethrows -> T {
+        indexWriting.lock()
+        defer { indexWriting.unlock() }
+        return try body()
+    }
 
     /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
     /// lock exclusively and waits for every direct write under way, so one `fallocate` per run
@@ -682,13 +707,29 @@ final class CachedObject: Sendable {
             // memory beside direct data writes, buffered beside buffered ones (which hold the
             // file's `writing` lock anyway; a page written direct would wait for the disk).
             // Every index write of a file holds `indexWriting`, so a page built from memory
-            // never overwrites an entry written after it was built.
-            indexWriting.lock()
-            let duplicate = setEntries(entries, from: runFirst)
-            var indexed = stillDirect >= 0 && writeEntryPages(runFirst..<runEnd, direct: stillDirect)
-            if !indexed, stillDirect < 0 || errno == EINVAL { indexed = writeEntries(entries, from: runFirst, fd: fd) }
-            let failure = errno
-            indexWriting.unlock()
+            // never overwrites an entry written after it was built. Direct: the entries are set
+            // before the lock, so the one who takes it next writes them with its own.
+            var duplicate: Int64 = 0
+            var indexed = false
+            var failure: Int32 = 0
+            if stillDirect >= 0 {
+                let set: UInt64
+                (duplicate, set) = setEntries(entries, from: runFirst, direct: true)
+                indexWriting.lock()
+                failure = writeDirtyPages(through: set, direct: stillDirect)
+                if failure == EINVAL {  // the device refused the alignment: these entries buffered
+                    indexed = writeEntries(entries, from: runFirst, fd: fd)
+                    failure = indexed ? 0 : errno
+                }
+                indexed = failure == 0
+                indexWriting.unlock()
+            } else {
+                indexWriting.lock()
+                duplicate = setEntries(entries, from: runFirst, direct: false).duplicate
+                indexed = writeEntries(entries, from: runFirst, fd: fd)
+                failure = errno
+                indexWriting.unlock()
+            }
             if duplicate > 0 { cache.unreserve(duplicate) }
             guard indexed else {
                 cache.degrade("cannot write a cache index entry: \(String(cString: strerror(failure)))")
@@ -698,26 +739,63 @@ final class CachedObject: Sendable {
     }
 
     /// Sets index entries in memory from block `first` on; returns the disk bytes of blocks
-    /// that were present already (stored twice: counted once).
-    private func setEntries(_ entries: [CacheFileFormat.Entry], from first: Int) -> Int64 {
+    /// that were present already (stored twice: counted once) and, beside direct data writes
+    /// (`direct`), the number of this set, its pages marked for `writeDirtyPages`.
+    private func setEntries(_ entries: [CacheFileFormat.Entry], from first: Int,
+                            direct: Bool) -> (duplicate: Int64, set: UInt64) {
         let t = cache.tick()
-        return state.withLock { s -> Int64 in
+        return state.withLock { s -> (Int64, UInt64) in
             var dup: Int64 = 0
             for (i, e) in entries.enumerated() {
                 if s.index.isPresent(first + i) { dup += Self.diskBytes(Int(s.index[first + i].length)) }
                 s.index.set(first + i, e, tick: t)
             }
-            return dup
+            guard direct, !entries.isEmpty else { return (dup, 0) }
+            let page = DirectWrites.alignment
+            let pages = Int(format.entryOffset(first)) / page...Int(format.entryOffset(first + entries.count) - 1) / page
+            s.dirtyPages.formUnion(pages)
+            s.setsMade += 1
+            return (dup, s.setsMade)
         }
+    }
+
+    /// The most index pages one write takes (a 1 MiB buffer at most).
+    private static let pagesPerIndexWrite = 256
+
+    /// Writes, past the page cache, every index page whose entries were set since it was last
+    /// written, unless a write made since set `set` took it in already. 0, or the errno of the
+    /// write that failed (its pages stay marked, for the next store to try). The caller holds
+    /// `indexWriting`.
+    private func writeDirtyPages(through set: UInt64, direct: Int32) -> Int32 {
+        let (pages, made) = state.withLock { s -> ([Int], UInt64) in
+            guard s.setsWritten < set else { return ([], s.setsWritten) }
+            defer { s.dirtyPages.removeAll(keepingCapacity: true) }
+            return (s.dirtyPages.sorted(), s.setsMade)
+        }
+        if pages.isEmpty { return 0 }
+        var i = 0
+        while i < pages.count {
+            var j = i + 1
+            while j < pages.count, pages[j] == pages[j - 1] + 1, j - i < Self.pagesPerIndexWrite { j += 1 }
+            guard writeEntryPages(pages: pages[i]..<(pages[j - 1] + 1), direct: direct) else {
+                let failure = errno
+                state.withLock { $0.dirtyPages.formUnion(pages) }
+                return failure
+            }
+            i = j
+        }
+        state.withLock { $0.setsWritten = max($0.setsWritten, made) }
+        return 0
     }
 
     /// Writes entries through the page cache (a file with no direct descriptor).
     private func writeEntries(_ entries: [CacheFileFormat.Entry], from first: Int, fd: Int32) -> Bool {
         let encoded = CacheFileFormat.encode(entries)
+        indexWriteCount.add(1, ordering: .relaxed)
         return encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(first))) } == encoded.count
     }
 
-    /// Writes the index pages that hold the entries of `blocks` past the page cache, each built
+    /// Writes index pages `pages` (page numbers in the file) past the page cache, each built
     /// whole (header, entries) from the index in memory. A buffered write of a few entries
     /// takes the file's inode lock exclusively and so waits for every direct data write under
     /// way, and holds up the ones after it; a direct overwrite of a whole page runs beside
@@ -725,10 +803,10 @@ final class CachedObject: Sendable {
     /// overwrite): as much as the cap counts for them (`overheadBytes`). False on a failed
     /// write (errno says why: EINVAL, the device refused the alignment). The caller holds
     /// `indexWriting`.
-    private func writeEntryPages(_ blocks: Range<Int>, direct: Int32) -> Bool {
+    private func writeEntryPages(pages: Range<Int>, direct: Int32) -> Bool {
         let page = DirectWrites.alignment
-        let from = Int(format.entryOffset(blocks.lowerBound)) / page * page
-        let to = (Int(format.entryOffset(blocks.upperBound)) + page - 1) / page * page
+        let from = pages.lowerBound * page
+        let to = pages.upperBound * page
         let pages = UnsafeMutableRawBufferPointer.allocate(byteCount: to - from, alignment: page)
         defer { pages.deallocate() }
         let allocate = state.withLock { s -> Bool in
@@ -751,6 +829,7 @@ final class CachedObject: Sendable {
             return !s.indexAllocated
         }
         if allocate { SparseFile.allocate(direct, offset: 0, length: min(format.dataOffset, overheadBytes)) }
+        indexWriteCount.add(1, ordering: .relaxed)
         return pwrite(direct, pages.baseAddress, pages.count, off_t(from)) == pages.count
     }
 
@@ -957,6 +1036,9 @@ final class CachedObject: Sendable {
             s.verified = false
             s.allocatedChunks.removeAll()
             s.indexAllocated = false
+            // Nothing set so far is left to write: every entry is gone.
+            s.dirtyPages.removeAll()
+            s.setsWritten = s.setsMade
             let temporary = s.fd < 0
             let fd = temporary ? (cache.files.openFile(hex) ?? -1) : s.fd
             guard fd >= 0 else { return freed }
