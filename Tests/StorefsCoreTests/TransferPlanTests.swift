@@ -220,31 +220,26 @@ import Testing
     @Test func nearTheServerPartsDoNotGrowWhateverTheFirstByte() {
         var limits = TransferPlan.Limits(startParts: 8)
         limits.maxParts = 8
+        // Every part waits 10 ms for a first byte that a 2 MiB part then takes 5 ms to follow.
+        func answerEveryPart(_ plan: inout TransferPlan) {
+            var t = 0.0
+            for _ in 0..<200 {
+                for _ in 0..<plan.parts {
+                    plan.noteWaiting()
+                    plan.noteReaderWaited()
+                    t += 0.015 / Double(plan.parts)
+                    plan.completed(bytes: plan.partSize, seconds: 0.015, firstByte: 0.010, now: t)
+                }
+            }
+        }
         var plan = TransferPlan(limits: limits, now: 0)
         plan.noteAnswer(seconds: 0.0005)
         #expect(plan.isNear && plan.partSize == limits.nearPartSize)
-        var t = 0.0
-        for _ in 0..<200 {
-            // Every part waits 10 ms for a first byte that a 2 MiB part then takes 5 ms to follow.
-            for _ in 0..<plan.parts {
-                plan.noteWaiting()
-                plan.noteReaderWaited()
-                t += 0.015 / Double(plan.parts)
-                plan.completed(bytes: plan.partSize, seconds: 0.015, firstByte: 0.010, now: t)
-            }
-        }
+        answerEveryPart(&plan)
         #expect(plan.partSize == limits.nearPartSize, "parts grew to \(plan.partSize >> 20) MiB")
         // The same answers from a far server (the count at its ceiling) grow them.
         var far = TransferPlan(limits: limits, now: 0)
-        t = 0
-        for _ in 0..<200 {
-            for _ in 0..<far.parts {
-                far.noteWaiting()
-                far.noteReaderWaited()
-                t += 0.015 / Double(far.parts)
-                far.completed(bytes: far.partSize, seconds: 0.015, firstByte: 0.010, now: t)
-            }
-        }
+        answerEveryPart(&far)
         #expect(!far.isNear && far.partSize > 8 << 20, "far parts \(far.partSize >> 20) MiB")
     }
 
