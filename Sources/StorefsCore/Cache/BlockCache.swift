@@ -709,29 +709,25 @@ final class CachedObject: Sendable {
             // Every index write of a file holds `indexWriting`, so a page built from memory
             // never overwrites an entry written after it was built. Direct: the entries are set
             // before the lock, so the one who takes it next writes them with its own.
-            var duplicate: Int64 = 0
-            var indexed = false
-            var failure: Int32 = 0
+            let duplicate: Int64
+            var failure: Int32
             if stillDirect >= 0 {
                 let set: UInt64
                 (duplicate, set) = setEntries(entries, from: runFirst, direct: true)
                 indexWriting.lock()
                 failure = writeDirtyPages(through: set, direct: stillDirect)
                 if failure == EINVAL {  // the device refused the alignment: these entries buffered
-                    indexed = writeEntries(entries, from: runFirst, fd: fd)
-                    failure = indexed ? 0 : errno
+                    failure = writeEntries(entries, from: runFirst, fd: fd) ? 0 : Self.lastFailure()
                 }
-                indexed = failure == 0
                 indexWriting.unlock()
             } else {
                 indexWriting.lock()
                 duplicate = setEntries(entries, from: runFirst, direct: false).duplicate
-                indexed = writeEntries(entries, from: runFirst, fd: fd)
-                failure = errno
+                failure = writeEntries(entries, from: runFirst, fd: fd) ? 0 : Self.lastFailure()
                 indexWriting.unlock()
             }
             if duplicate > 0 { cache.unreserve(duplicate) }
-            guard indexed else {
+            guard failure == 0 else {
                 cache.degrade("cannot write a cache index entry: \(String(cString: strerror(failure)))")
                 return
             }
@@ -759,6 +755,10 @@ final class CachedObject: Sendable {
         }
     }
 
+    /// The errno of a write that just failed; EIO for a short write, which sets none (0 would
+    /// read as success).
+    private static func lastFailure() -> Int32 { errno != 0 ? errno : EIO }
+
     /// The most index pages one write takes (a 1 MiB buffer at most).
     private static let pagesPerIndexWrite = 256
 
@@ -778,7 +778,7 @@ final class CachedObject: Sendable {
             var j = i + 1
             while j < pages.count, pages[j] == pages[j - 1] + 1, j - i < Self.pagesPerIndexWrite { j += 1 }
             guard writeEntryPages(pages: pages[i]..<(pages[j - 1] + 1), direct: direct) else {
-                let failure = errno
+                let failure = Self.lastFailure()
                 state.withLock { $0.dirtyPages.formUnion(pages) }
                 return failure
             }
