@@ -7,6 +7,9 @@ and the local disk (bench/README.md, "What happens" 2).
 - one 4 KiB ranged GET: curl CLI, many URLs in one invocation (one reused connection).
 - http.client keep-alive 4 KiB GETs (informational: adds ~80–150 µs of Python).
 - the local copy of big.bin read with dd after drop_caches: the disk's speed.
+- the direct listing walk of tree/ (Tests/integration/scale_server.py's `walk()`: delimited,
+  sequential, one keep-alive connection, each page JSON-decoded): what `find` and `ls -lR` of
+  the tree cost before any filesystem is involved, through the link with --link.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import subprocess
 import time
 
 from . import MIB
+from .data import TREE_DIRS, TREE_FILES_PER_DIR
 from .host import BenchError, drop_caches, log
 from .readers import run_dds
+from .servers import scale_server_module
 from .stats import percentile
 
 LAT_GETS = 300
@@ -116,15 +121,25 @@ def local_disk_mibs(path: str) -> float:
     return got / MIB / secs
 
 
+def listing_walk(endpoint: str, bucket: str) -> float:
+    """Seconds of the direct listing walk of tree/, its count checked against the tree's."""
+    w = scale_server_module().walk(endpoint, bucket, prefix="tree/", delimited=True)
+    want = TREE_DIRS * TREE_FILES_PER_DIR
+    if w["objects"] != want:
+        raise BenchError(f"listing walk of tree/: {w['objects']} objects, want {want}")
+    return w["seconds"]
+
+
 def new_baselines(streams: int) -> dict:
     """Per-run lists of every baseline; `curl{streams}` holds the N-stream throughput."""
     return {"curl1": [], f"curl{streams}": [], "get_p50": [], "get_p99": [], "hc_p50": [], "hc_p99": [],
-            "local_cold": []}
+            "local_cold": [], "walk": []}
 
 
 def measure_baselines(base: dict, url: str, port: int, path: str, size: int, local_big: str,
-                      streams: int, seed: int) -> None:
-    """One run of every baseline, appended to `base` (see new_baselines)."""
+                      streams: int, seed: int, endpoint: str, bucket: str) -> None:
+    """One run of every baseline, appended to `base` (see new_baselines); `endpoint` is the
+    server's, or the link proxy's with --link."""
     drop_caches()
     base["curl1"].append(curl_single(url, size))
     base[f"curl{streams}"].append(curl_parallel(url, size, streams))
@@ -135,5 +150,7 @@ def measure_baselines(base: dict, url: str, port: int, path: str, size: int, loc
     h50, h99 = httpclient_latency(port, path, size, seed + 300)
     base["hc_p50"].append(h50)
     base["hc_p99"].append(h99)
+    base["walk"].append(listing_walk(endpoint, bucket))
     log(f"  curl 1 stream {base['curl1'][-1]:.0f} MiB/s, {streams} streams {base[f'curl{streams}'][-1]:.0f} MiB/s, "
-        f"4K GET p50/p99 {p50:.0f}/{p99:.0f} µs (curl), {h50:.0f}/{h99:.0f} µs (http.client)")
+        f"4K GET p50/p99 {p50:.0f}/{p99:.0f} µs (curl), {h50:.0f}/{h99:.0f} µs (http.client), "
+        f"listing walk of tree/ {base['walk'][-1]:.3f} s")
