@@ -13,12 +13,23 @@ public final class WorkerPool: Sendable {
 
     private let queue = Mutex(Queue())
     private let wake = DispatchSemaphore(value: 0)
-    private let threads: Int
+    private let name: String
+    /// Threads started so far.
+    private let threads = Mutex(0)
 
     /// Threads start at once: create pools only after daemonizing (fork keeps one thread).
     public init(threads: Int, name: String) {
-        self.threads = threads
-        for i in 0..<threads {
+        self.name = name
+        grow(to: threads)
+    }
+
+    /// Starts more threads, up to `threads` in all; a pool never shrinks.
+    public func grow(to threads: Int) {
+        let first = self.threads.withLock { n -> Int in
+            defer { n = max(n, threads) }
+            return n
+        }
+        for i in first..<max(first, threads) {
             let t = Thread { [self] in self.run() }
             t.name = "\(name)-\(i)"
             t.stackSize = 1 << 20
@@ -46,7 +57,7 @@ public final class WorkerPool: Sendable {
     /// Lets the threads finish queued work and exit.
     public func shutdown() {
         queue.withLock { $0.stopping = true }
-        for _ in 0..<threads { wake.signal() }
+        for _ in 0..<threads.withLock({ $0 }) { wake.signal() }
     }
 
     private func run() {
