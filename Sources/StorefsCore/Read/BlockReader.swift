@@ -473,7 +473,7 @@ public final class BlockReader: Sendable {
         // to download (a cached file read on a far mount needs none).
         if config.adaptive, !near, isStream, transfers.seemsFar,
            Int64(stream.cached?.cachedBytes(from: ahead.lowerBound, upTo: ahead.upperBound) ?? 0) < Int64(ahead.count) {
-            openConnectionsAhead(stream, from: ahead.lowerBound, parts: parts, part: part)
+            openConnectionsAhead(stream, from: ahead.lowerBound, parts: transfers.nextParts, part: part)
         }
         if let stopped = schedule(stream, ahead) {
             // Out of memory budget: the rest of the window is tried again on the next read.
@@ -514,9 +514,10 @@ public final class BlockReader: Sendable {
 
     /// On a far link a new connection's set-up (TCP and TLS: a round trip or more each) is
     /// paid before a part needs it: once a reader reads on, connections are opened up to the
-    /// parts that may run at once (no more than the rest of the file needs), each with a
-    /// one-byte request, while the reader's window is still small (docs/architecture.md,
-    /// "Adaptive transfers"). Open connections stay in the pool for every file after.
+    /// parts that may run at once after the count's next step up (no more than the rest of the
+    /// file needs), each with a one-byte request, while the reader's window is still small
+    /// (docs/architecture.md, "Adaptive transfers"). Open connections stay in the pool for
+    /// every file after.
     private func openConnectionsAhead(_ stream: Stream, from offset: Int64, parts: Int, part: Int64) {
         let want = Int(min(Int64(parts), (stream.meta.size - offset + part - 1) / max(1, part)))
         guard want >= 2, let have = store.connectionCount else { return }

@@ -113,6 +113,13 @@ struct TransferPlan: Equatable {
         max(1, min(max(n, limits.minParts), maxParts, memoryParts))
     }
 
+    /// The count a step up would reach from here (the count itself where none can): connections
+    /// are opened for it ahead, so that the parts of a step find them open.
+    var nextParts: Int {
+        guard limits.fixedParts == nil else { return parts }
+        return clamp(slowStart ? parts * 2 : parts + max(1, parts / 4))
+    }
+
     /// A slot was wanted while every slot was busy: the readers would take more.
     mutating func noteWaiting() { epochSaturated = true }
 
@@ -331,6 +338,8 @@ final class TransferController: Sendable {
 
     /// Parts allowed in flight now.
     var parts: Int { state.withLock { $0.plan.parts } }
+    /// What a step up would take the count to (`TransferPlan.nextParts`).
+    var nextParts: Int { state.withLock { $0.plan.nextParts } }
     /// Size of the next read-ahead part.
     var partSize: Int64 { state.withLock { $0.plan.partSize } }
     /// All at once, under one lock (every read asks: a FUSE thread's hot path), with how many
