@@ -268,8 +268,11 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
             let before = o.indexWrites
             let group = DispatchGroup()
             let queued = o.withIndexWritesHeld { () -> UInt64 in
+                // A thread each: they block on the index lock, and Dispatch's pool on Linux does
+                // not grow past blocked workers (beside the other suites, one store never ran).
                 for b in stores {
-                    DispatchQueue.global().async(group: group) { o.store(first: b, slice(b)) }
+                    group.enter()
+                    Thread { o.store(first: b, slice(b)); group.leave() }.start()
                 }
                 let deadline = Date().addingTimeInterval(10)
                 while o.unwrittenIndexSets < UInt64(stores.count), Date() < deadline { usleep(1000) }
