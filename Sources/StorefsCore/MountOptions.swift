@@ -42,7 +42,7 @@ public struct MountOptions: Sendable, Equatable {
     /// 16 KiB, measured (bench/run, 1 GiB): random 4 KiB reads cost a 16 KiB GET and cache write
     /// (p50 ~355 µs cold vs ~400 at 64K, ~320 at 4K) and a 16 KiB verify when cached; 4K blocks
     /// made 8 parallel readers ~20% slower (per-block bookkeeping) and cost 4 MiB of index
-    /// memory per cached GiB. Sequential reads fetch whole parts (4 MiB, 2 near the server) at any block size.
+    /// memory per cached GiB. Sequential reads fetch whole parts (2 MiB) at any block size.
     public var blockSize = 16 << 10
     /// The widest read-ahead window of one reader; nil: `memoryLimit` (the window follows
     /// the parts in flight, docs/architecture.md, "Adaptive transfers").
@@ -50,7 +50,7 @@ public struct MountOptions: Sendable, Equatable {
     /// Read-ahead parts in flight: nil = found from the link (2 to `maxParallel`); a number
     /// fixes it.
     public var parallel: Int?
-    public static let maxParallel = 32
+    public static let maxParallel = 48
     public var memoryLimit: Int64 = 256 << 20
     public var cacheWrites: CacheWrites = .all
     public var cacheIO: CacheIO = .direct
@@ -139,7 +139,7 @@ public struct MountOptions: Sendable, Equatable {
           -o cache_size=SIZE hard cap of the block cache, e.g. 10G (default: 10G or half the free space, if less)
           -o block_size=SIZE cache block size, a power of two from 4K to 16M (default 16K)
           -o read_ahead=SIZE largest read-ahead window of a sequential reader (default: memory_limit; 0 = off)
-          -o parallel=N      read-ahead downloads in flight at once, fixed (default: found from the link, 2 to 32)
+          -o parallel=N      read-ahead downloads in flight at once, fixed (default: found from the link, 2 to 48)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)

@@ -5,6 +5,9 @@ import Testing
 /// min(`perConnection`, `aggregate` / parts moving) bytes per second. The reader always wants
 /// more (unless `demand` caps the parts it keeps asked for). `costPerPart` models a link whose
 /// pace is the daemon's CPU (loopback): each part moving takes that fraction off the aggregate.
+/// `jitter` spreads each part's wait over `ttfb` × (1 ± jitter) (a fixed sequence): without it
+/// parts that start together wait and move in lockstep for ever, the link idle during every
+/// wait, which a reader's window (parts asked for as it reads on) and a real server do not do.
 @Suite struct TransferPlanTests {
     static let mib = Double(1 << 20)
 
@@ -16,8 +19,13 @@ import Testing
     }
 
     func simulate(_ limits: TransferPlan.Limits, perConnection: Double, aggregate: Double, ttfb: Double,
-                  seconds: Double = 6, demand: Int = .max, costPerPart: Double = 0) -> Outcome {
+                  seconds: Double = 6, demand: Int = .max, costPerPart: Double = 0, jitter: Double = 0) -> Outcome {
         var plan = TransferPlan(limits: limits, now: 0)
+        var seed: UInt64 = 0x9E37_79B9_7F4A_7C15
+        func wait() -> Double {
+            seed = seed &* 6_364_136_223_846_793_005 &+ 1_442_695_040_888_963_407
+            return ttfb * (1 + jitter * (Double(seed >> 11) / Double(1 << 53) * 2 - 1))
+        }
         struct Part { var started: Double; var waiting: Double; var left: Double; let size: Int64; var firstByte = 0.0 }
         var running: [Part] = []
         let dt = 0.0005
@@ -27,7 +35,7 @@ import Testing
         while t < seconds {
             // Start what the plan allows while the reader wants more.
             while running.count < min(plan.parts, demand) {
-                running.append(Part(started: t, waiting: ttfb, left: Double(plan.partSize), size: plan.partSize))
+                running.append(Part(started: t, waiting: wait(), left: Double(plan.partSize), size: plan.partSize))
             }
             if running.count == plan.parts && demand > plan.parts {
                 plan.noteWaiting()
@@ -73,23 +81,26 @@ import Testing
 
     /// bench/run --link wan: 30 ms to the first byte, 50 MiB/s a connection, 1 GiB/s in all.
     /// Sixteen parallel ranged streams get ~650 MiB/s there: the plan must find as much. Its
-    /// parts stay 4 MiB, though 30 ms is over a quarter of such a part's time: the count can
-    /// still grow, and more parts, not larger ones, are what pays within memory (8 MiB parts
-    /// moved as much through the `wan` proxy and held ~80 MiB more).
+    /// parts stay 2 MiB, though 30 ms is over a third of such a part's time: the bytes that fill
+    /// a link are its rate × (first byte + part ÷ a connection's rate), least for small parts,
+    /// so more parts, not larger ones, are what pays within memory. Parts of 4 MiB (the start
+    /// before, up to 32 of them) held 72 MiB in flight here for ~600 MiB/s.
     @Test func aWanLinkIsFilledByMorePartsNotLargerOnes() {
         // The whole link carries what 16 curl streams got through the proxy on this machine.
-        let o = simulate(.init(), perConnection: 50 * Self.mib, aggregate: 650 * Self.mib, ttfb: 0.030)
-        #expect(o.plan.parts >= 16 && o.plan.parts < 32, "parts \(o.plan.parts)")
-        #expect(o.plan.partSize == 4 << 20, "parts of \(o.plan.partSize >> 20) MiB")
-        #expect(Int64(o.plan.parts) * o.plan.partSize <= 128 << 20)
-        #expect(o.lastSecondRate >= 0.8 * 650 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
+        let o = simulate(.init(), perConnection: 50 * Self.mib, aggregate: 650 * Self.mib, ttfb: 0.030, jitter: 0.3)
+        #expect(o.plan.parts >= 16 && o.plan.parts <= 48, "parts \(o.plan.parts)")
+        #expect(o.plan.partSize == 2 << 20, "parts of \(o.plan.partSize >> 20) MiB")
+        #expect(Int64(o.plan.parts) * o.plan.partSize <= 64 << 20, "\(o.plan.parts) parts in flight")
+        #expect(o.lastSecondRate >= 0.9 * 650 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
     }
 
-    /// bench/run --link harsh: 80 ms, 20 MiB/s a connection.
+    /// bench/run --link harsh: 80 ms, 20 MiB/s a connection. A 2 MiB part waits for its first
+    /// byte 80 of its 180 ms: the count grows past 32 (the ceiling before, where 4 MiB parts
+    /// held 128 MiB) and the parts stay 2 MiB, at most 96 MiB in flight.
     @Test func aHarshLinkIsFilled() {
-        let o = simulate(.init(), perConnection: 20 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.080, seconds: 10)
-        #expect(o.plan.parts >= 24, "parts \(o.plan.parts)")
-        #expect(o.plan.partSize <= 8 << 20, "parts of \(o.plan.partSize >> 20) MiB")
+        let o = simulate(.init(), perConnection: 20 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.080, seconds: 10, jitter: 0.3)
+        #expect(o.mostParts > 32, "parts \(o.mostParts)")
+        #expect(o.plan.partSize == 2 << 20, "parts of \(o.plan.partSize >> 20) MiB")
         #expect(o.lastSecondRate >= 0.8 * 16 * 20 * Self.mib, "rate \(o.lastSecondRate / Self.mib) MiB/s")
     }
 
@@ -243,14 +254,19 @@ import Testing
         #expect(!far.isNear && far.partSize > 8 << 20, "far parts \(far.partSize >> 20) MiB")
     }
 
-    /// A far, fast link: the count grows to its ceiling first (more parts beat larger ones),
-    /// then, the first byte still most of a part's time, parts grow, to what fills memory at
-    /// that count (32 of 8 MiB in 256 MiB), and not again when the count steps back down from
-    /// its ceiling (grown to 16 MiB there, they held as much memory in fewer parts).
+    /// A far, fast link: the count grows to its ceiling (48) first (more parts beat larger
+    /// ones), and there, the first byte still most of a part's time, parts grow only while
+    /// twice the bytes in flight fit in half of what parts may hold: on the defaults (a 256 MiB
+    /// bound) they stay 2 MiB, where the rule before grew them to 4 MiB (192 MiB in flight);
+    /// with a bound of 1 GiB (`memory_limit=` raised for such a link) they grow to 8 MiB.
     @Test func theCountReachesItsCeilingBeforePartsGrow() {
         let o = simulate(.init(), perConnection: 1024 * Self.mib, aggregate: 2048 * Self.mib, ttfb: 0.040)
-        #expect(o.mostParts == 32 && o.plan.partSize == 8 << 20, "parts \(o.plan.parts) size \(o.plan.partSize)")
-        #expect(Int64(o.plan.parts) * o.plan.partSize <= 256 << 20)
+        #expect(o.mostParts == 48 && o.plan.partSize == 2 << 20, "parts \(o.plan.parts) size \(o.plan.partSize)")
+        var roomy = TransferPlan.Limits()
+        roomy.memoryLimit = 1 << 30
+        let r = simulate(roomy, perConnection: 1024 * Self.mib, aggregate: 2048 * Self.mib, ttfb: 0.040)
+        #expect(r.mostParts == 48 && r.plan.partSize == 8 << 20, "parts \(r.plan.parts) size \(r.plan.partSize)")
+        #expect(Int64(r.plan.parts) * r.plan.partSize <= 512 << 20)
     }
 
     /// A stream's first parts are small (its window is still opening), so most of their time
@@ -291,7 +307,7 @@ import Testing
         var limits = TransferPlan.Limits()
         limits.memoryLimit = 64 << 20
         let o = simulate(limits, perConnection: 10 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030)
-        #expect(o.mostParts <= 16 && o.plan.parts <= 16)  // 64 MiB holds 16 parts of 4 MiB
+        #expect(o.mostParts <= 32 && o.plan.parts <= 32)  // 64 MiB holds 32 parts of 2 MiB
         limits = TransferPlan.Limits()
         limits.maxParts = 12
         let c = simulate(limits, perConnection: 10 * Self.mib, aggregate: 1024 * Self.mib, ttfb: 0.030)

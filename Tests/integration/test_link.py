@@ -115,9 +115,12 @@ def test_sequential_read_on_defaults_fills_a_far_link_within_memory_limit(mount,
 
 def test_a_far_link_has_connections_open_before_read_ahead_needs_them(mount, wan):
     """A new connection costs 60 ms on `wan` before its first byte: once a reader reads on,
-    connections are opened (a one-byte GET each) while its window is still small, so the
-    read-ahead parts find them open. Without that, every part of the first wide window waits
-    for a connection of its own."""
+    connections are opened (a one-byte GET each) while its window is still small, and for the
+    count's next step before it is taken, so the read-ahead parts find them open. Without that,
+    every part of the first wide window waits for a connection of its own, and so does every
+    part a step up adds. The first window's parts (its first, and those the next read asks for
+    ~70 ms later, when an opener's 60 ms of set-up and 30 ms to its byte have not ended) may
+    still open their own: at most 4 of them."""
     m = mount(LB, endpoint=wan.url)
     os.stat(m.p(BIG))
     wan.reset_stats()
@@ -125,12 +128,13 @@ def test_a_far_link_has_connections_open_before_read_ahead_needs_them(mount, wan
     parts = [r for r in media_requests(wan) if r["body"] >= 2 * MiB]
     assert most_at_once(parts) > 4, "read-ahead did not grow: nothing here is about connections"
     first_on_new = [r for r in parts if r["seq"] == 1]
-    assert len(first_on_new) <= 2, (
+    assert len(first_on_new) <= 4, (
         f"{len(first_on_new)} of {len(parts)} read-ahead parts waited for a new connection of "
         f"their own: " + ", ".join(f"{r['range']} on connection {r['conn']}" for r in first_on_new))
     openers = [r for r in wan.stats()["per_request"] if r["range"] == "bytes=0-0"]
     assert openers and all(r["seq"] == 1 for r in openers), "a connection opener reused a connection"
-    assert wan.stats()["connections"] <= 34, f"{wan.stats()['connections']} connections for one reader"
+    # The count's ceiling (48), the reader's own download and the lookup's.
+    assert wan.stats()["connections"] <= 50, f"{wan.stats()['connections']} connections for one reader"
 
 
 def test_a_far_readers_own_download_takes_the_warm_connection_before_its_read_ahead(mount, wan):

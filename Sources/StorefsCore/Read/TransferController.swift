@@ -24,12 +24,15 @@ struct TransferPlan: Equatable {
     struct Limits: Equatable {
         var startParts = 8
         var minParts = 2
-        var maxParts = 32
-        /// Parts start this large (`parallel=` fixes its own size, 8 MiB): within the memory
-        /// bound more parts beat larger ones, and parts grow only once the count cannot
-        /// (`endEpoch`). Through `wan`, 4 MiB parts moved as much as 8 MiB ones with ~80 MiB
-        /// less peak RSS (docs/architecture.md, "Adaptive transfers": Size).
-        static let adaptiveStartPartSize: Int64 = 4 << 20
+        /// `MountOptions.maxParallel` by default.
+        var maxParts = 48
+        /// Parts start this large (`parallel=` fixes its own size, 8 MiB): the bytes in flight
+        /// that fill a link are its rate × (first byte + part ÷ a connection's rate), least
+        /// for small parts, so more parts beat larger ones and parts grow only once the count
+        /// cannot (`endEpoch`). Through `wan` and `harsh`, up to 48 parts of 2 MiB moved as much
+        /// as or more than 32 of 4 MiB with 15–20% less peak RSS (docs/architecture.md,
+        /// "Adaptive transfers": Size).
+        static let adaptiveStartPartSize: Int64 = 2 << 20
         var startPartSize: Int64 = adaptiveStartPartSize
         var maxPartSize: Int64 = 32 << 20
         /// Bytes all parts in flight may hold.
@@ -222,12 +225,15 @@ struct TransferPlan: Equatable {
         // (their first bytes are waited for side by side; a larger part holds more memory per
         // connection for the same speed). Parts that doubled as soon as the count settled
         // below its ceiling (18 of 8 MiB through `wan`, where 18 of 4 MiB move as much) held
-        // 270 MiB where 190 do. Never near the server:
+        // 270 MiB where 190 do. Nor where the grown parts would hold more than half of what
+        // parts in flight may: 48 parts grown to 4 MiB through `harsh` moved no more than 48 of
+        // 2 MiB (1 GiB: 348–365 against 377–382 MiB/s) and held ~100 MiB more (peak RSS
+        // 258–276 against 155–160 MiB). Never near the server:
         // there the wait is the machine's load (a busy server, 8 readers on 2 cores), which no
         // part size shortens, and parts grown to 16 MiB took 8 readers on loopback past their
         // memory bound (docs/architecture.md, "Adaptive transfers": Near).
         if limits.fixedParts != nil || (!slowStart && clamp(parts + 1) == parts), !isNear, epochParts > 0,
-           partSize < limits.maxPartSize, Int64(parts) * partSize * 2 <= limits.memoryLimit {
+           partSize < limits.maxPartSize, Int64(parts) * partSize * 2 <= limits.memoryLimit / 2 {
             let wait = epochFirstByte / Double(epochParts)
             let moving = epochPartTime - epochFirstByte
             if moving > 0 {
