@@ -116,8 +116,8 @@ struct TransferPlan: Equatable {
         max(1, min(max(n, limits.minParts), maxParts, memoryParts))
     }
 
-    /// The count a step up would reach from here (the count itself where none can): connections
-    /// are opened for it ahead, so that the parts of a step find them open.
+    /// The count a step up would reach from here (the count itself where none can): `stepUp`
+    /// takes it, and connections are opened for it ahead, so that a step's parts find them open.
     var nextParts: Int {
         guard limits.fixedParts == nil else { return parts }
         return clamp(slowStart ? parts * 2 : parts + max(1, parts / 4))
@@ -293,8 +293,7 @@ struct TransferPlan: Equatable {
     }
 
     private mutating func stepUp() {
-        let next = slowStart ? parts * 2 : parts + max(1, parts / 4)
-        let grown = clamp(next)
+        let grown = nextParts
         if grown == parts {
             // At a ceiling: nothing to probe above, so probe below.
             slowStart = false

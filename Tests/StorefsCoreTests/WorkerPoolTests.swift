@@ -1,0 +1,36 @@
+import Foundation
+import Synchronization
+import Testing
+@testable import StorefsCore
+
+@Suite struct WorkerPoolTests {
+    /// Whether `count` jobs that each wait (at most `patience` seconds) until all of them run
+    /// did all run at once: only if the pool has that many threads free.
+    static func runAtOnce(_ count: Int, on pool: WorkerPool, patience: Double) -> Bool {
+        let state = Mutex((running: 0, sawAll: 0))
+        let done = DispatchSemaphore(value: 0)
+        for _ in 0..<count {
+            pool.submit {
+                state.withLock { $0.running += 1 }
+                let deadline = Date().addingTimeInterval(patience)
+                while state.withLock({ $0.running }) < count, Date() < deadline { usleep(1000) }
+                state.withLock { if $0.running >= count { $0.sawAll += 1 } }
+                done.signal()
+            }
+        }
+        for _ in 0..<count { _ = done.wait(timeout: .now() + patience * Double(count) + 5) }
+        return state.withLock { $0.sawAll } == count
+    }
+
+    /// The prefetch pool grows with the count of read-ahead parts (`BlockReader.prefetchPool`):
+    /// a pool grown from 2 to 6 threads runs 6 blocking jobs at once; growing to fewer threads
+    /// than it has changes nothing.
+    @Test func aGrownPoolRunsAsManyJobsAtOnceAsItsThreads() {
+        let pool = WorkerPool(threads: 2, name: "test-grow")
+        defer { pool.shutdown() }
+        #expect(!Self.runAtOnce(3, on: pool, patience: 0.5), "3 jobs ran at once on 2 threads")
+        pool.grow(to: 6)
+        pool.grow(to: 4)
+        #expect(Self.runAtOnce(6, on: pool, patience: 10), "6 jobs did not run at once on a pool grown to 6")
+    }
+}
