@@ -460,7 +460,7 @@ public final class BlockReader: Sendable {
         // more: alone, all of them; beside other readers that want read-ahead, an equal share
         // (the gate shares the slots so, `PartQueue`), so that N readers together hold about
         // the parts in flight plus two each, not N times all of them.
-        let (parts, part, near, readers) = transfers.current(for: ObjectIdentifier(stream))
+        let (parts, part, near, readers, nextParts) = transfers.current(for: ObjectIdentifier(stream))
         let share = config.adaptive ? max(1, parts / readers) : parts
         let limit = config.adaptive ? Int64(share + 2) * part : config.readAhead
         let (ahead, isStream, warm) = stream.detector.withLock {
@@ -473,7 +473,7 @@ public final class BlockReader: Sendable {
         // to download (a cached file read on a far mount needs none).
         if config.adaptive, !near, isStream, transfers.seemsFar,
            Int64(stream.cached?.cachedBytes(from: ahead.lowerBound, upTo: ahead.upperBound) ?? 0) < Int64(ahead.count) {
-            openConnectionsAhead(stream, from: ahead.lowerBound, parts: transfers.nextParts, part: part)
+            openConnectionsAhead(stream, from: ahead.lowerBound, parts: nextParts, part: part)
         }
         if let stopped = schedule(stream, ahead) {
             // Out of memory budget: the rest of the window is tried again on the next read.

@@ -343,17 +343,16 @@ final class TransferController: Sendable {
 
     /// Parts allowed in flight now.
     var parts: Int { state.withLock { $0.plan.parts } }
-    /// What a step up would take the count to (`TransferPlan.nextParts`).
-    var nextParts: Int { state.withLock { $0.plan.nextParts } }
     /// Size of the next read-ahead part.
     var partSize: Int64 { state.withLock { $0.plan.partSize } }
     /// All at once, under one lock (every read asks: a FUSE thread's hot path), with how many
-    /// readers share the slots if `reader` asks for more (`sharingReaders`). Until the server is
-    /// found near, the store's fastest answer (a lookup's) may say so first.
-    func current(for reader: ObjectIdentifier) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int) {
+    /// readers share the slots if `reader` asks for more (`sharingReaders`) and what a step up
+    /// would take the count to (`TransferPlan.nextParts`: connections are opened for it). Until
+    /// the server is found near, the store's fastest answer (a lookup's) may say so first.
+    func current(for reader: ObjectIdentifier) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int, nextParts: Int) {
         state.withLock { s in
             noteFastestAnswer(&s)
-            return (s.plan.parts, s.plan.partSize, s.plan.isNear, Self.sharing(s.queue, with: reader))
+            return (s.plan.parts, s.plan.partSize, s.plan.isNear, Self.sharing(s.queue, with: reader), s.plan.nextParts)
         }
     }
     /// The same without the readers (tests).
