@@ -717,13 +717,13 @@ final class CachedObject: Sendable {
                 indexWriting.lock()
                 failure = writeDirtyPages(through: set, direct: stillDirect)
                 if failure == EINVAL {  // the device refused the alignment: these entries buffered
-                    failure = writeEntries(entries, from: runFirst, fd: fd) ? 0 : Self.lastFailure()
+                    failure = writeEntries(entries, from: runFirst, fd: fd)
                 }
                 indexWriting.unlock()
             } else {
                 indexWriting.lock()
                 duplicate = setEntries(entries, from: runFirst, direct: false).duplicate
-                failure = writeEntries(entries, from: runFirst, fd: fd) ? 0 : Self.lastFailure()
+                failure = writeEntries(entries, from: runFirst, fd: fd)
                 indexWriting.unlock()
             }
             if duplicate > 0 { cache.unreserve(duplicate) }
@@ -788,11 +788,13 @@ final class CachedObject: Sendable {
         return 0
     }
 
-    /// Writes entries through the page cache (a file with no direct descriptor).
-    private func writeEntries(_ entries: [CacheFileFormat.Entry], from first: Int, fd: Int32) -> Bool {
+    /// Writes entries through the page cache (a file with no direct descriptor): 0, or the
+    /// errno of the failed write, as `writeDirtyPages`.
+    private func writeEntries(_ entries: [CacheFileFormat.Entry], from first: Int, fd: Int32) -> Int32 {
         let encoded = CacheFileFormat.encode(entries)
         indexWriteCount.add(1, ordering: .relaxed)
-        return encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(first))) } == encoded.count
+        let written = encoded.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(format.entryOffset(first))) }
+        return written == encoded.count ? 0 : Self.lastFailure()
     }
 
     /// Writes index pages `pages` (page numbers in the file) past the page cache, each built
