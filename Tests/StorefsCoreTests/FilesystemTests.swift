@@ -142,6 +142,21 @@ import StorageClient
         }
     }
 
+    /// The kernel drops a file's page cache at an open that does not keep it, waiting for the
+    /// pages other readers of the file are reading in. The first open of an inode has none to
+    /// drop, and keeps them (as every later open of the same generation does); so does the
+    /// first open after the kernel forgot the inode, its pages with it.
+    @Test func theFirstOpenOfAFileKeepsThePageCache() throws {
+        store.put("f", Array("hello".utf8), generation: 1)
+        let fs = makeFS()
+        let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        #expect(try fs.open(f.inode, flags: O_RDONLY).keepCache, "the first open dropped the page cache")
+        #expect(try fs.open(f.inode, flags: O_RDONLY).keepCache)
+        fs.forget(f.inode, count: 1)
+        let again = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        #expect(try fs.open(again.inode, flags: O_RDONLY).keepCache)
+    }
+
     @Test func knownNamesResolveWhileTheBucketIsUnreachable() throws {
         store.put("d/cached.bin", [1, 2, 3])
         // Every lookup asks the bucket here (no outage hold), to see each answer's effect.

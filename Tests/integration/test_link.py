@@ -306,3 +306,63 @@ def test_a_firebase_v0_read_right_after_its_lookup_waits_one_round_trip(bare_mou
                 f"the metadata's answer ({took * 1000:.0f} ms in all): a second round trip")
     finally:
         proxy.stop()
+
+
+# One reader of a file, in a process of its own: waits for the common start time, opens the
+# file, reads its slice; prints how long open(2) and the read took.
+_OPEN_AND_READ = """
+import os, sys, time
+path, offset, length, start_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+time.sleep(max(0.0, start_at - time.time()))
+t0 = time.monotonic()
+fd = os.open(path, os.O_RDONLY)
+t1 = time.monotonic()
+got = os.pread(fd, length, offset)
+t2 = time.monotonic()
+os.close(fd)
+print(t1 - t0, t2 - t1, len(got))
+"""
+
+
+def test_readers_opening_a_file_at_once_never_wait_in_open_for_each_others_reads(mount, lbucket, tmp_path):
+    """An open that does not let the kernel keep the file's page cache makes the kernel drop
+    it, and wait for every page other readers are reading in: through a far link, a whole read.
+    The first open of a file has no pages to drop, so it keeps them: 8 processes that open a
+    file at once and read a slice each never wait in open(2) behind each other's reads (through
+    `harsh`, one of 8 `dd`s opening one file at once waited 0.4-0.85 s in open(2), most runs).
+    Every round is a file opened for the first time; the link gives each response 400 ms before
+    its first byte, so a wait behind a read is at least that."""
+    files = {f"opens/f{i}.bin": random.Random(100 + i).randbytes(4 * MiB) for i in range(6)}
+    for name, data in files.items():
+        lbucket.upload(LB, name, data)
+    proxy = link.LinkProxy(lbucket.port, ttfb_ms=400, conn_mibps=50, total_mibps=1024, setup_ms=0,
+                           workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    try:
+        m = mount(LB, endpoint=proxy.url)
+        readers, piece = 8, 512 * 1024
+        waits = []
+        for name, data in files.items():
+            os.stat(m.p(name))  # looked up, never opened
+            start_at = time.time() + 1.0
+            procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AND_READ, m.p(name), str(i * piece), str(piece),
+                                       str(start_at)], stdout=subprocess.PIPE, text=True)
+                     for i in range(readers)]
+            for i, p in enumerate(procs):
+                out, _ = p.communicate(timeout=60)
+                assert p.returncode == 0, f"reader {i} of {name} failed"
+                opened, read, got = out.split()
+                assert int(got) == piece, f"reader {i} of {name} got {got} bytes"
+                waits.append((float(opened), name, i, float(read)))
+        slowest = max(waits)
+        print(f"open(2) of {len(waits)} first opens: slowest {slowest[0] * 1000:.0f} ms "
+              f"({slowest[1]}, reader {slowest[2]}; its read took {slowest[3] * 1000:.0f} ms)")
+        late = [w for w in waits if w[0] >= 0.3]
+        assert not late, (
+            f"{len(late)} of {len(waits)} opens waited behind other readers' reads: "
+            + ", ".join(f"{n} reader {i} {o * 1000:.0f} ms" for o, n, i, _ in late))
+    finally:
+        proxy.stop()

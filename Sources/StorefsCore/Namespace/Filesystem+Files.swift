@@ -27,10 +27,12 @@ extension Filesystem {
             throw FilesystemError(.storage(.generationChanged), "\(node.path): the object was replaced or deleted")
         }
         let meta = record.objectMetadata(name: objectName(of: node.path), bucket: reference.bucket)
+        // The kernel drops an inode's pages at an open that does not keep them, waiting for
+        // every page other readers are reading in: the first open (no pages yet, or none since
+        // the kernel forgot the inode) keeps them too (docs/architecture.md, "Overwrites").
         let keep = table.withLock { t in
-            let previous = t.lastOpenedGeneration[inode]
-            t.lastOpenedGeneration[inode] = meta.generation
-            return previous == meta.generation
+            let previous = t.lastOpenedGeneration.updateValue(meta.generation, forKey: inode)
+            return previous == nil || previous == meta.generation
         }
         let stream = reader.openStream(meta)
         stored?.recordFile(node.path, record)
