@@ -226,6 +226,26 @@ final class RawHTTPServer: @unchecked Sendable {
             #expect { _ = try get(server, start: 0, count: 100) } throws: { ($0 as? StorageError)?.code == .retryLimitExceeded }
         }
     }
+
+    /// Requests to this machine carry tokens in clear and must ignore proxy variables: whether
+    /// a URL's origin is this machine is kept per origin and found again by its bytes. An
+    /// origin is only ever its whole self: `http://localhost` known as this machine says
+    /// nothing of `http://localhost.example.com`.
+    @Test func loopbackOriginsAreKnownAgainByTheirWholeOrigin() {
+        let http = HTTPClient(userAgent: "test")
+        for _ in 0..<2 {  // the second time from what the first one kept
+            #expect(http.isLoopback("http://localhost/o?prefix=a"))
+            #expect(!http.isLoopback("http://localhost.example.com:8080/"))
+            #expect(http.isLoopback("http://127.0.0.1:80?x=1"))
+            #expect(!http.isLoopback("http://127.0.0.1:80.example.com/o"))
+            #expect(!http.isLoopback("http://127.0.0.10.example/o"))
+            #expect(http.isLoopback("http://[::1]:9000/b/o"))
+            #expect(!http.isLoopback("https://storage.googleapis.com/storage/v1/b/x/o?alt=media&token=127.0.0.1"))
+            #expect(!http.isLoopback("https://127.0.0.1@storage.googleapis.com/o"))
+            #expect(!http.isLoopback("127.0.0.1/o"))
+            #expect(!http.isLoopback("http:/"))
+        }
+    }
 }
 
 /// A lookup's directory page takes the warm connection before the lookup's probes can

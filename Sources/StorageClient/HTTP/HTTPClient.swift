@@ -41,7 +41,8 @@ public final class HTTPClient: Sendable {
     private let pool = Mutex(Handles())
     /// Handles out of the pool, running a request.
     private let busy = Atomic<Int>(0)
-    private let loopbackOrigins = Mutex([String: Bool]())
+    /// `scheme://authority` of each origin asked about, and whether it is this machine.
+    private let loopbackOrigins = Mutex([(origin: [UInt8], isLoopback: Bool)]())
     private let timeouts: Timeouts
     private let userAgent: String
 
@@ -118,7 +119,7 @@ public final class HTTPClient: Sendable {
         if case .window = sink { ranged = true }
         var record = HTTPExchangeRecord(method: postBody == nil ? "GET" : "POST",
                                         kind: RequestKind.of(url: url, isPost: postBody != nil, isRanged: ranged),
-                                        target: StorageTelemetry.target(of: url), status: 0, bytes: 0, seconds: 0,
+                                        url: url, status: 0, bytes: 0, seconds: 0,
                                         attempt: max(1, StorageTelemetry.attempt), failure: nil)
         do {
             let response = try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody,
@@ -249,16 +250,35 @@ public final class HTTPClient: Sendable {
     }
 
     /// Whether `url` names this machine. Called for every request, so the answer is kept per
-    /// `scheme://authority` (a mount talks to one or two origins).
-    private func isLoopback(_ url: String) -> Bool {
-        let bytes = url.utf8
-        guard let sep = bytes.firstRange(of: "://".utf8) else { return false }
-        let end = bytes[sep.upperBound...].firstIndex { $0 == UInt8(ascii: "/") || $0 == UInt8(ascii: "?") } ?? bytes.endIndex
-        let key = String(url[url.startIndex..<end])
-        if let known = loopbackOrigins.withLock({ $0[key] }) { return known }
+    /// `scheme://authority` (a mount talks to one or two origins), found by comparing bytes:
+    /// no search through String's generic algorithms, no new String, no hashing.
+    func isLoopback(_ url: String) -> Bool {
+        var url = url
+        let known = url.withUTF8 { bytes -> Bool? in
+            guard let end = Self.originEnd(bytes) else { return false }
+            return loopbackOrigins.withLock { origins in
+                origins.first { $0.origin.count == end && $0.origin.elementsEqual(bytes[0..<end]) }?.isLoopback
+            }
+        }
+        if let known { return known }
         let answer = URLOrigin(url)?.isLoopback == true
-        loopbackOrigins.withLock { if $0.count < 64 { $0[key] = answer } }
+        url.withUTF8 { bytes in
+            guard let end = Self.originEnd(bytes) else { return }
+            loopbackOrigins.withLock { if $0.count < 64 { $0.append((Array(bytes[0..<end]), answer)) } }
+        }
         return answer
+    }
+
+    /// Where `scheme://authority` ends in a URL's bytes (at its path or query); nil without "://".
+    private static func originEnd(_ bytes: UnsafeBufferPointer<UInt8>) -> Int? {
+        var i = 0
+        while i + 2 < bytes.count, !(bytes[i] == UInt8(ascii: ":") && bytes[i + 1] == UInt8(ascii: "/") && bytes[i + 2] == UInt8(ascii: "/")) {
+            i += 1
+        }
+        guard i + 2 < bytes.count else { return nil }
+        var end = i + 3
+        while end < bytes.count, bytes[end] != UInt8(ascii: "/"), bytes[end] != UInt8(ascii: "?") { end += 1 }
+        return end
     }
 
     /// `scheme://host:port` of a URL, for error messages that must not carry query strings.

@@ -15,8 +15,11 @@ public enum RequestKind: String, Sendable, CaseIterable {
 
     /// The kind of a request, from its method and URL (never from anything secret in it).
     static func of(url: String, isPost: Bool, isRanged: Bool) -> RequestKind {
-        if isPost || url.contains("computeMetadata") { return .token }
+        if isPost { return .token }
+        // Every part of a read is ranged, and none goes to the metadata server: decided before
+        // any search of the URL.
         if isRanged { return .media }
+        if url.contains("computeMetadata") { return .token }
         let queryStart = url.firstIndex(of: "?") ?? url.endIndex
         let query = url[queryStart...]
         if query.contains("alt=media") { return .media }
@@ -29,8 +32,11 @@ public enum RequestKind: String, Sendable, CaseIterable {
 public struct HTTPExchangeRecord: Sendable {
     public var method: String
     public var kind: RequestKind
-    /// `scheme://host:port/path` without the query (which may carry a key or a token).
-    public var target: String
+    /// The whole URL, query too (a key or a token may be in it): only `target` shows it.
+    private let url: String
+    /// `scheme://host:port/path` without the query or a user:password, made when a log line
+    /// asks for it, not for every request.
+    public var target: String { StorageTelemetry.target(of: url) }
     /// The HTTP status; 0 when no answer came (refused, reset, timed out, cancelled).
     public var status: Int
     /// Body bytes received.
@@ -40,6 +46,18 @@ public struct HTTPExchangeRecord: Sendable {
     public var attempt: Int
     /// Why it failed when no status came.
     public var failure: String?
+
+    init(method: String, kind: RequestKind, url: String, status: Int, bytes: Int, seconds: Double, attempt: Int,
+         failure: String?) {
+        self.method = method
+        self.kind = kind
+        self.url = url
+        self.status = status
+        self.bytes = bytes
+        self.seconds = seconds
+        self.attempt = attempt
+        self.failure = failure
+    }
 }
 
 /// Hooks through which the daemon counts and logs what the storage client does. Set once at
