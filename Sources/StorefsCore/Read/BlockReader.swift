@@ -131,15 +131,16 @@ public final class BlockReader: Sendable {
                       budget: budget, pool: pool)
     }
 
-    /// Prefetch threads start on first use, after the daemon has forked, and grow with the count
-    /// of parts that may run: a thread for each, and at least four for each of the
-    /// `nearMaxParts` that may run near the server. A thread writes its part's cache copy
-    /// before its next download, so there the threads bound the parts that wait in memory for
-    /// their cache write (48 threads, as many as a far link's parts may be, took one reader of
-    /// 1 GiB on loopback from 107–141 to 157–176 MiB of peak RSS).
+    /// Prefetch threads start on first use, after the daemon has forked. A thread writes its
+    /// part's cache copy before its next download, and the part's slot is free meanwhile. Twice
+    /// `nearMaxParts` (the most that run near the server): there the threads bound the parts
+    /// that wait in memory for their cache write (docs/architecture.md, "Threads": 16 threads
+    /// rather than 32 took one cold reader on loopback from 108–128 to 73–106 MiB of peak RSS,
+    /// at the same speed). A count of parts past that (far links only) has `nearMaxParts`
+    /// threads more than parts, for their writes.
     private var prefetchPool: WorkerPool {
-        let threads = config.adaptive ? min(config.parallel, max(4 * transfers.limits.nearMaxParts, transfers.parts))
-                                      : config.parallel
+        let near = transfers.limits.nearMaxParts, parts = transfers.parts
+        let threads = !config.adaptive ? config.parallel : parts > 2 * near ? parts + near : 2 * near
         return pool.withLock { p in
             if let p { p.grow(to: max(1, threads)) } else { p = WorkerPool(threads: max(1, threads), name: "storefs-prefetch") }
             return p!
