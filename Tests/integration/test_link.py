@@ -9,6 +9,7 @@ must find with default options, inside memory_limit. Objects live in `link-bucke
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -41,17 +42,27 @@ def lbucket(emulator):
     return emulator
 
 
-@pytest.fixture
-def wan(lbucket, tmp_path):
-    """The `wan` profile in front of the emulator; stopped (by pid) at teardown."""
-    proxy = link.LinkProxy.profile("wan", lbucket.port, workdir=str(tmp_path),
-                                   log_path=str(tmp_path / "link.log"))
+@contextlib.contextmanager
+def link_in_front_of(port: int, tmp_path, profile: str | None = None, **settings):
+    """A link proxy (a profile, or these settings) in front of the server on `port`; stopped
+    (by pid) when the block ends, however it ends."""
+    kw = dict(workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
+    proxy = link.LinkProxy.profile(profile, port, **kw) if profile else link.LinkProxy(port, **settings, **kw)
     try:
         proxy.start()
     except RuntimeError as exc:
         pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
-    yield proxy
-    proxy.stop()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def wan(lbucket, tmp_path):
+    """The `wan` profile in front of the emulator."""
+    with link_in_front_of(lbucket.port, tmp_path, "wan") as proxy:
+        yield proxy
 
 
 def media_requests(proxy) -> list[dict]:
@@ -236,13 +247,7 @@ def test_a_lookup_takes_its_directory_page_when_it_lands_first(mount, lbucket, t
     wait for new connections while the page leaves on the one the previous request freed: a
     file two directories down is read after one round trip per component and the GET, well
     under one connection set-up (waiting for the probes took more than 1.5 s per level)."""
-    proxy = link.LinkProxy(lbucket.port, ttfb_ms=20, setup_ms=1500, workdir=str(tmp_path),
-                           log_path=str(tmp_path / "slow-setup.log"))
-    try:
-        proxy.start()
-    except RuntimeError as exc:
-        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
-    try:
+    with link_in_front_of(lbucket.port, tmp_path, ttfb_ms=20, setup_ms=1500) as proxy:
         m = mount(LB, endpoint=proxy.url)
         started = time.monotonic()
         with open(m.p("tree/d2/f5.txt"), "rb") as f:
@@ -256,8 +261,6 @@ def test_a_lookup_takes_its_directory_page_when_it_lands_first(mount, lbucket, t
             assert time.monotonic() < deadline, proxy.stats()["per_request"]
             time.sleep(0.1)
         assert proxy.stats()["incomplete"] == 0, proxy.stats()["per_request"]
-    finally:
-        proxy.stop()
 
 
 def test_the_mount_check_answers_the_first_lookups(mount, wan):
@@ -280,12 +283,7 @@ def test_a_firebase_v0_read_right_after_its_lookup_waits_one_round_trip(bare_mou
     and `head -c 1` would then wait a second one for its media GET. The first bytes are asked
     beside the metadata, and the read takes them: one media GET, sent before the metadata's
     answer came back, and none after it."""
-    proxy = link.LinkProxy.profile("wan", firebase.port, workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
-    try:
-        proxy.start()
-    except RuntimeError as exc:
-        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
-    try:
+    with link_in_front_of(firebase.port, tmp_path, "wan") as proxy:
         m = bare_mount(LB, endpoint=proxy.url, options=["protocol=firebase", "anonymous"])
         for name in ("tree/d1/f3.txt", "tree/d1/f7.txt"):
             proxy.reset_stats()
@@ -304,14 +302,12 @@ def test_a_firebase_v0_read_right_after_its_lookup_waits_one_round_trip(bare_mou
             assert media[0]["t_req"] <= meta[0]["t_first"], (
                 f"{name}: the media GET went out {1000 * (media[0]['t_req'] - meta[0]['t_first']):.0f} ms after "
                 f"the metadata's answer ({took * 1000:.0f} ms in all): a second round trip")
-    finally:
-        proxy.stop()
 
 
 # One reader of a file, in a process of its own: waits for the common start time, opens the
-# file, reads its slice; prints how long open(2) and the read took.
+# file, reads its slice; prints how long open(2) and the read took, and the slice's SHA-256.
 _OPEN_AND_READ = """
-import os, sys, time
+import hashlib, os, sys, time
 path, offset, length, start_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 time.sleep(max(0.0, start_at - time.time()))
 t0 = time.monotonic()
@@ -320,7 +316,7 @@ t1 = time.monotonic()
 got = os.pread(fd, length, offset)
 t2 = time.monotonic()
 os.close(fd)
-print(t1 - t0, t2 - t1, len(got))
+print(t1 - t0, t2 - t1, hashlib.sha256(got).hexdigest())
 """
 
 
@@ -335,13 +331,7 @@ def test_readers_opening_a_file_at_once_never_wait_in_open_for_each_others_reads
     files = {f"opens/f{i}.bin": random.Random(100 + i).randbytes(4 * MiB) for i in range(6)}
     for name, data in files.items():
         lbucket.upload(LB, name, data)
-    proxy = link.LinkProxy(lbucket.port, ttfb_ms=400, conn_mibps=50, total_mibps=1024, setup_ms=0,
-                           workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
-    try:
-        proxy.start()
-    except RuntimeError as exc:
-        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
-    try:
+    with link_in_front_of(lbucket.port, tmp_path, ttfb_ms=400, conn_mibps=50, total_mibps=1024) as proxy:
         m = mount(LB, endpoint=proxy.url)
         readers, piece = 8, 512 * 1024
         waits = []
@@ -351,12 +341,19 @@ def test_readers_opening_a_file_at_once_never_wait_in_open_for_each_others_reads
             procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AND_READ, m.p(name), str(i * piece), str(piece),
                                        str(start_at)], stdout=subprocess.PIPE, text=True)
                      for i in range(readers)]
-            for i, p in enumerate(procs):
-                out, _ = p.communicate(timeout=60)
-                assert p.returncode == 0, f"reader {i} of {name} failed"
-                opened, read, got = out.split()
-                assert int(got) == piece, f"reader {i} of {name} got {got} bytes"
-                waits.append((float(opened), name, i, float(read)))
+            try:
+                for i, p in enumerate(procs):
+                    out, _ = p.communicate(timeout=60)
+                    assert p.returncode == 0, f"reader {i} of {name} failed"
+                    opened, read, digest = out.split()
+                    want = hashlib.sha256(data[i * piece:(i + 1) * piece]).hexdigest()
+                    assert digest == want, f"reader {i} of {name} read other bytes"
+                    waits.append((float(opened), name, i, float(read)))
+            finally:
+                for p in procs:  # a reader left behind would keep the mount busy
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
         slowest = max(waits)
         print(f"open(2) of {len(waits)} first opens: slowest {slowest[0] * 1000:.0f} ms "
               f"({slowest[1]}, reader {slowest[2]}; its read took {slowest[3] * 1000:.0f} ms)")
@@ -364,5 +361,3 @@ def test_readers_opening_a_file_at_once_never_wait_in_open_for_each_others_reads
         assert not late, (
             f"{len(late)} of {len(waits)} opens waited behind other readers' reads: "
             + ", ".join(f"{n} reader {i} {o * 1000:.0f} ms" for o, n, i, _ in late))
-    finally:
-        proxy.stop()
