@@ -135,8 +135,8 @@ public final class BlockReader: Sendable {
     /// part's cache copy before its next download, and the part's slot is free meanwhile. Twice
     /// `nearMaxParts` (the most that run near the server): there the threads bound the parts
     /// that wait in memory for their cache write (docs/architecture.md, "Threads": 16 threads
-    /// rather than 32 took one cold reader on loopback from 108–128 to 73–106 MiB of peak RSS,
-    /// at the same speed). A count of parts past that (far links only) has `nearMaxParts`
+    /// rather than 32 took one cold reader on loopback from a median of 115 to 84 MiB of peak
+    /// RSS, at the same speed). A count of parts past that (far links only) has `nearMaxParts`
     /// threads more than parts, for their writes.
     private var prefetchPool: WorkerPool {
         let near = transfers.limits.nearMaxParts, parts = transfers.parts
