@@ -32,8 +32,9 @@ public enum RequestKind: String, Sendable, CaseIterable {
 public struct HTTPExchangeRecord: Sendable {
     public var method: String
     public var kind: RequestKind
-    /// The whole URL, query too (a key or a token may be in it): only `target` shows it.
-    private let url: String
+    /// The whole URL, query too (a key or a token may be in it): seen in this module only;
+    /// logs and metrics get `target`.
+    let url: String
     /// `scheme://host:port/path` without the query or a user:password, made when a log line
     /// asks for it, not for every request.
     public var target: String { StorageTelemetry.target(of: url) }
@@ -46,18 +47,6 @@ public struct HTTPExchangeRecord: Sendable {
     public var attempt: Int
     /// Why it failed when no status came.
     public var failure: String?
-
-    init(method: String, kind: RequestKind, url: String, status: Int, bytes: Int, seconds: Double, attempt: Int,
-         failure: String?) {
-        self.method = method
-        self.kind = kind
-        self.url = url
-        self.status = status
-        self.bytes = bytes
-        self.seconds = seconds
-        self.attempt = attempt
-        self.failure = failure
-    }
 }
 
 /// Hooks through which the daemon counts and logs what the storage client does. Set once at
