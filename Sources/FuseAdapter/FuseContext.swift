@@ -15,14 +15,27 @@ final class FuseContext: Sendable {
     private let pool = Mutex<WorkerPool?>(nil)
     private let metadataPool = Mutex<WorkerPool?>(nil)
     let readWorkers: Int
+    /// Reads that miss the cache and are served on the FUSE thread that received them.
+    let inlineMisses: InlineMisses
+    private let session = Mutex<SessionPointer?>(nil)
     /// Lookups, attribute refreshes and listings that need the bucket: a stalled server ties up
     /// these threads, never FUSE's (so cached reads go on), and at most this many at once.
     static let metadataWorkers = 64
 
-    init(fs: Filesystem, readWorkers: Int) {
+    init(fs: Filesystem, readWorkers: Int, fuseThreads: Int) {
         self.fs = fs
         self.readWorkers = readWorkers
         self.buffers = BufferPool(bufferSize: FuseSession.maxRequestSize, keep: readWorkers * 2)
+        self.inlineMisses = InlineMisses(limit: max(1, fuseThreads / 2))
+    }
+
+    /// The session whose end `isStopping` watches.
+    func attach(_ se: OpaquePointer) { session.withLock { $0 = SessionPointer(raw: se) } }
+
+    /// The daemon is ending: the loop has returned (`stopping`), or the session was told to end
+    /// (unmount, SIGTERM), which the loop waits out for every request a FUSE thread is serving.
+    var isStopping: Bool {
+        stopping.load(ordering: .relaxed) || session.withLock { $0.map { fuse_session_exited($0.raw) != 0 } ?? false }
     }
 
     /// Threads start only after daemonizing: fork() keeps just the calling thread.
@@ -50,6 +63,30 @@ final class FuseContext: Sendable {
         pool.withLock { $0?.shutdown() }
         metadataPool.withLock { $0?.shutdown() }
     }
+}
+
+private struct SessionPointer: @unchecked Sendable {
+    let raw: OpaquePointer
+}
+
+/// The reads served on FUSE threads (docs/architecture.md, "Threads"): near the server a miss
+/// waits about a millisecond, less than a hop to a read worker and back costs. At most `limit`
+/// at once, so that a server that stalls holds at most that many of FUSE's threads; the others
+/// go on reading interrupts, cache hits and everything else, and further misses go to workers.
+final class InlineMisses: Sendable {
+    let limit: Int
+    private let count = Atomic<Int>(0)
+
+    init(limit: Int) { self.limit = limit }
+
+    /// Takes a place if one is free; `leave` gives it back.
+    func enter() -> Bool {
+        if count.add(1, ordering: .relaxed).newValue <= limit { return true }
+        count.subtract(1, ordering: .relaxed)
+        return false
+    }
+
+    func leave() { count.subtract(1, ordering: .relaxed) }
 }
 
 /// A `fuse_req_t` that may cross to a worker thread (libfuse allows replying from any thread).

@@ -58,7 +58,7 @@ private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escapin
     ctx.inFlight.add(1, ordering: .acquiring)
     ctx.metadata.submit {
         defer { ctx.inFlight.subtract(1, ordering: .releasing) }
-        let interrupted: @Sendable () -> Bool = { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) }
+        let interrupted: @Sendable () -> Bool = { fuse_req_interrupted(r.raw) != 0 || ctx.isStopping }
         if interrupted() {
             let e = Errno.value(for: .storage(.cancelled))
             _ = fuse_reply_err(r.raw, e)
@@ -336,11 +336,14 @@ func makeOperations() -> fuse_lowlevel_ops {
             OpTrace.record(.read, inode: inode, errno: EIO, started: started)
             return
         }
-        // A miss waits on the network: a worker replies later.
+        // A miss waits on the network. Near the server that is about a millisecond, and the
+        // FUSE thread that received the read serves it: the hop to a read worker and back cost
+        // more CPU than the wait (docs/architecture.md, "Threads"). Far from it, or with half
+        // of FUSE's threads serving misses already, a read worker replies later.
         let r = Request(raw: req!)
         let lease = BufferLease(buffer)
         ctx.inFlight.add(1, ordering: .acquiring)
-        ctx.workers.submit {
+        let serve: @Sendable () -> Void = {
             defer { ctx.inFlight.subtract(1, ordering: .releasing) }
             let buffer = lease.buffer
             defer { ctx.buffers.give(buffer) }
@@ -351,7 +354,7 @@ func makeOperations() -> fuse_lowlevel_ops {
                 var sent = false
                 let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
                                         alreadyNoted: true,
-                                        isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.stopping.load(ordering: .relaxed) },
+                                        isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.isStopping },
                                         afterReply: later, send: { bytes in
                                             OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: bytes.count)
                                             _ = fuse_reply_buf(r.raw, bytes.baseAddress?.assumingMemoryBound(to: CChar.self), bytes.count)
@@ -367,6 +370,12 @@ func makeOperations() -> fuse_lowlevel_ops {
                 _ = fuse_reply_err(r.raw, EIO)
                 OpTrace.record(.read, inode: inode, errno: EIO, started: started)
             }
+        }
+        if ctx.fs.serverIsNear, ctx.inlineMisses.enter() {
+            defer { ctx.inlineMisses.leave() }
+            serve()
+        } else {
+            ctx.workers.submit(serve)
         }
     }
 

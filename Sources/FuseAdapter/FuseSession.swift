@@ -42,7 +42,7 @@ public enum FuseSession {
     /// Runs until unmounted or signalled (SIGTERM, SIGINT); returns the exit status.
     /// `ready` runs once the mount exists and this is the process that serves it (after fork).
     public static func run(_ fs: Filesystem, _ settings: Settings, ready: () -> Void) throws(MountError) -> Int32 {
-        let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers)
+        let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers, fuseThreads: settings.maxThreads)
         var options = ["ro", "subtype=storefs", "default_permissions"]
         if !settings.fuseOptions.contains(where: { $0.hasPrefix("fsname=") }) {
             options.append("fsname=" + settings.fsname)
@@ -71,6 +71,7 @@ public enum FuseSession {
             throw MountError(message: "libfuse rejected the options '\(options.joined(separator: ","))'")
         }
         defer { fuse_session_destroy(se) }
+        ctx.attach(se)
 
         // Background jobs inherit SIGINT as ignored, and libfuse only installs its handlers
         // over SIG_DFL (docs/fuse-notes.md, item 10).

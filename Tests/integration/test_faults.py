@@ -750,7 +750,70 @@ def test_forty_stalled_lookups_do_not_delay_a_cached_read(mount, fault_proxy, fd
     assert_alive(m)
 
 
+def test_forty_reads_stalled_near_the_server_do_not_delay_a_cached_read(mount, fault_proxy, fdata):
+    """Near the server a read that misses the cache is served on the FUSE thread that received
+    it, at most 16 at once, half of FUSE's 32 (docs/architecture.md, "Threads"): 40 reads of
+    40 files whose media answers never come hold 16 FUSE threads and the 16 read workers, and
+    FUSE's other threads still answer a cached read. Had every miss stayed on its FUSE thread,
+    32 would hold them all and the cached read would wait behind them."""
+    m = mount(FB, endpoint=fault_proxy.endpoint)
+    assert read_all(m.p(PAR2_CACHED)) == fdata[PAR2_CACHED]   # a download: the server is near
+    files = [d + "/f.txt" for d in PAR2_DIRS]
+    for n in files:
+        os.stat(m.p(n))
+    fault_proxy.add_rule(kind="media", name_prefix="par2/d", fault="blackhole")
+    calls = [Call(read_all, m.p(n), name=f"read {n}") for n in files]
+    proc = None
+    try:
+        assert wait_for(lambda: len(fault_proxy.requests("media", fault="blackhole")) >= 32, 10), \
+            f"only {len(fault_proxy.requests('media', fault='blackhole'))} media requests held"
+        time.sleep(0.3)
+        held = len(fault_proxy.requests("media", fault="blackhole"))
+        t0 = time.monotonic()
+        proc = subprocess.Popen(["cat", m.p(PAR2_CACHED)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+        try:
+            out, _ = proc.communicate(timeout=2)
+            took = time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            took = float("inf")
+    finally:
+        release_all(fault_proxy, calls, [proc] if proc else [])
+    print(f"\n{held} media requests held by the server; the cached read took {took:.3f} s")
+    assert took <= 2, f"cat of a cached file took over 2 s behind {held} stalled reads"
+    assert out == fdata[PAR2_CACHED]
+    assert_alive(m)
+
+
 # ====================================================================== i. clean shutdown
+def test_sigterm_ends_storefs_within_3s_while_reads_stall_near_the_server(mount, fault_proxy, fdata):
+    """Reads near the server are served on FUSE threads, and libfuse's loop returns only once
+    every request a FUSE thread serves is answered: a read that waits for a server that never
+    answers must see the session ending (SIGTERM) as an interrupt, as a worker's read sees
+    `stopping` (docs/architecture.md, "Shutdown"), or storefs would wait for its time bounds."""
+    m = mount(FB, endpoint=fault_proxy.endpoint)
+    assert read_all(m.p(PAR2_CACHED)) == fdata[PAR2_CACHED]   # a download: the server is near
+    files = [d + "/f.txt" for d in PAR2_DIRS[:4]]
+    for n in files:
+        os.stat(m.p(n))
+    fault_proxy.add_rule(kind="media", name_prefix="par2/d", fault="blackhole")
+    calls = [Call(read_all, m.p(n), name=f"read {n}") for n in files]
+    try:
+        assert wait_for(lambda: len(fault_proxy.requests("media", fault="blackhole")) >= 4, 10), \
+            "the reads' media requests did not reach the server"
+        t0 = time.monotonic()
+        os.kill(m.pid, signal.SIGTERM)
+        gone = wait_pid_gone(m.pid, 3)
+        took = time.monotonic() - t0
+    finally:
+        release_all(fault_proxy, calls)
+    assert gone, "storefs still running 3 s after SIGTERM while 4 reads waited for the server"
+    print(f"\nstorefs exited {took:.2f} s after SIGTERM")
+    assert not is_mounted(m.path)
+    report = "; ".join(c.describe() for c in calls)
+    assert all(c.done and c.error is not None for c in calls), report
+
+
 def test_unmount_while_downloads_retry_503_forever_exits_within_8s(mount, fault_proxy, fdata):
     """Three readers read the first 64 KiB of a 16 MiB file and close it; every media request
     that does not start at offset 0 (read-ahead, storefs's or the kernel's) gets 503 forever,

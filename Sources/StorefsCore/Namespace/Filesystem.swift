@@ -77,6 +77,9 @@ public final class Filesystem: Sendable {
     let reader: BlockReader
     /// Shared with the read path: an outage found by either is known to both.
     var health: BucketHealth { reader.health }
+    /// The server answers within a few milliseconds (`TransferPlan.isNear`): a read that misses
+    /// the cache waits about that long, so the adapter serves it on the thread that received it.
+    public var serverIsNear: Bool { reader.transfers.isNear }
     let mountTime: Timestamp
 
     let table = Mutex(InodeTable())
