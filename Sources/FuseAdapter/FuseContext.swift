@@ -29,8 +29,9 @@ final class FuseContext: Sendable {
         self.inlineMisses = InlineMisses(limit: max(1, fuseThreads / 2))
     }
 
-    /// The session whose end `isStopping` watches.
-    func attach(_ se: OpaquePointer) { session.withLock { $0 = SessionPointer(raw: se) } }
+    /// The session whose end `isStopping` watches; nil before it is destroyed (a request served
+    /// after that, none should be, then sees `stopping` alone, set by then).
+    func attach(_ se: OpaquePointer?) { session.withLock { $0 = se.map(SessionPointer.init(raw:)) } }
 
     /// The daemon is ending: the loop has returned (`stopping`), or the session was told to end
     /// (unmount, SIGTERM), which the loop waits out for every request a FUSE thread is serving.

@@ -70,8 +70,12 @@ public enum FuseSession {
         guard let se = fuse_session_new(&args, &ops, MemoryLayout<fuse_lowlevel_ops>.size, userdata) else {
             throw MountError(message: "libfuse rejected the options '\(options.joined(separator: ","))'")
         }
-        defer { fuse_session_destroy(se) }
         ctx.attach(se)
+        defer {
+            ctx.stopping.store(true, ordering: .relaxed)
+            ctx.attach(nil)
+            fuse_session_destroy(se)
+        }
 
         // Background jobs inherit SIGINT as ignored, and libfuse only installs its handlers
         // over SIG_DFL (docs/fuse-notes.md, item 10).

@@ -280,6 +280,18 @@ def timeline(proxy: FaultProxy, t0: float, kind: str | None = "media", limit: in
     return ", ".join(out) or "no requests"
 
 
+def cat_within(path: str, timeout: float):
+    """`cat path` given `timeout` seconds: (seconds it took, or inf; its output, or None; the
+    process, which `release_all` ends if it is still blocked)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["cat", path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return time.monotonic() - t0, out, proc
+    except subprocess.TimeoutExpired:
+        return float("inf"), None, proc
+
+
 def assert_alive(m) -> None:
     assert m.proc.poll() is None and pid_alive(m.pid), \
         f"storefs exited (status {m.proc.poll()}); stderr tail:\n{m.stderr()[-3000:]}"
@@ -733,14 +745,7 @@ def test_forty_stalled_lookups_do_not_delay_a_cached_read(mount, fault_proxy, fd
         wait_for(lambda: len(held_names()) >= 40, 5)
         time.sleep(0.3)
         held = len(held_names())
-        t0 = time.monotonic()
-        proc = subprocess.Popen(["cat", m.p(PAR2_CACHED)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
-        try:
-            out, _ = proc.communicate(timeout=2)
-            took = time.monotonic() - t0
-        except subprocess.TimeoutExpired:
-            took = float("inf")
+        took, out, proc = cat_within(m.p(PAR2_CACHED), 2)
     finally:
         release_all(fault_proxy, calls, [proc] if proc else [])
     assert held >= 1, "no lookup was stalled"
@@ -769,14 +774,7 @@ def test_forty_reads_stalled_near_the_server_do_not_delay_a_cached_read(mount, f
             f"only {len(fault_proxy.requests('media', fault='blackhole'))} media requests held"
         time.sleep(0.3)
         held = len(fault_proxy.requests("media", fault="blackhole"))
-        t0 = time.monotonic()
-        proc = subprocess.Popen(["cat", m.p(PAR2_CACHED)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
-        try:
-            out, _ = proc.communicate(timeout=2)
-            took = time.monotonic() - t0
-        except subprocess.TimeoutExpired:
-            took = float("inf")
+        took, out, proc = cat_within(m.p(PAR2_CACHED), 2)
     finally:
         release_all(fault_proxy, calls, [proc] if proc else [])
     print(f"\n{held} media requests held by the server; the cached read took {took:.3f} s")
