@@ -7,7 +7,8 @@ import Synchronization
 final class FuseContext: Sendable {
     let fs: Filesystem
     let buffers: BufferPool
-    /// Replies still owed from worker threads; the session is destroyed only after they drain.
+    /// Replies still owed from worker threads (and from FUSE threads serving misses); the
+    /// session is destroyed only after they drain.
     let inFlight = Atomic<Int>(0)
     /// Set once the loop has ended: work still running gives up (as if interrupted) so the
     /// session can be destroyed after it, within a bounded time.
@@ -30,7 +31,7 @@ final class FuseContext: Sendable {
     }
 
     /// The session whose end `isStopping` watches; nil before it is destroyed (a request served
-    /// after that, none should be, then sees `stopping` alone, set by then).
+    /// after that, none should be, then sees `stopping` alone, set once the loop returned).
     func attach(_ se: OpaquePointer?) { session.withLock { $0 = se.map(SessionPointer.init(raw:)) } }
 
     /// The daemon is ending: the loop has returned (`stopping`), or the session was told to end

@@ -72,7 +72,6 @@ public enum FuseSession {
         }
         ctx.attach(se)
         defer {
-            ctx.stopping.store(true, ordering: .relaxed)
             ctx.attach(nil)
             fuse_session_destroy(se)
         }
