@@ -184,10 +184,14 @@ public final class HTTPClient: Sendable {
         }
         _ = ccurl_setopt_str(h, CURLOPT_USERAGENT, userAgent)
         _ = ccurl_setopt_slist(h, CURLOPT_HTTPHEADER, list)
-        // A large receive buffer pays off for multi-MiB parts, but curl allocates it per
-        // transfer: small ranged reads and JSON answers keep the default.
+        // A larger receive buffer than curl's 16 KiB for multi-MiB parts (fewer recv calls),
+        // but not much larger: curl allocates it per transfer and frees it at the transfer's
+        // end, so each part's buffer is fresh pages, faulted and zeroed on first use (a VM
+        // exit each here). 512 KiB cost 14–17k page faults per GiB read through `wan`, 64 KiB
+        // 3–4k, and 48 parts in flight held 24 MiB of them (docs/architecture.md, "Adaptive
+        // transfers", Buffers). Small ranged reads and JSON answers keep the default.
         if case .window(let buffer, _) = sink, buffer.count >= 1 << 20 {
-            _ = ccurl_setopt_long(h, CURLOPT_BUFFERSIZE, 512 * 1024)
+            _ = ccurl_setopt_long(h, CURLOPT_BUFFERSIZE, 64 * 1024)
         }
         _ = ccurl_setopt_writefn(h, curlWriteCallback)
         _ = ccurl_setopt_headerfn(h, curlHeaderCallback)
