@@ -39,7 +39,8 @@ struct AuthorizedHTTP: Sendable {
         let first = try authorization(rejected: nil)
         var response = try send(first.headers)
         if response.status == 401 && credentials.sendsSecrets, let used = first.value {
-            response = try send(try authorization(rejected: used).headers)
+            let renewed = try authorization(rejected: used)
+            if renewed.value != used { response = try send(renewed.headers) }
         }
         // Any answer took the server's distance, a 404 as much as the bytes.
         fastest.note(StorageTelemetry.lastFirstByte)

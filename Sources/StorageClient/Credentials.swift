@@ -5,7 +5,8 @@ import Synchronization
 public protocol Credentials: Sendable {
     /// The header value (`Bearer …`), or nil to send none. After a 401, `rejected` is the value
     /// that request carried: credentials renew it unless someone else already did (concurrent
-    /// requests that fail with the same token cause one refresh, not one each).
+    /// requests that fail with the same token cause one refresh, not one each). Returning
+    /// `rejected` itself says there is nothing newer to try: the request is not sent again.
     func authorization(rejected: String?) throws(StorageError) -> String?
     /// Whether a request may be sent with them over plain http (loopback only, docs/protocol.md §2.1).
     var sendsSecrets: Bool { get }

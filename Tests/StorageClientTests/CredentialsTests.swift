@@ -25,8 +25,22 @@ import Testing
         for _ in 0..<8 { seen.insert(try creds.authorization(rejected: first) ?? "") }
         #expect(service.calls.load(ordering: .relaxed) == 2, "one fetch at start, one forced refresh")
         #expect(seen == ["Bearer tok-2"])
-        // A 401 on the renewed token renews again.
+    }
+
+    @Test func aTokenARejectionForcedIsNotRenewedAgainUntilTheSpacingHasPassed() throws {
+        let service = Service()
+        let creds = RefreshingCredentials(scheme: "Bearer", label: "test", forcedRefreshSpacing: 0.3) {
+            previous in service.fetch(previous)
+        }
+        let first = try creds.authorization(rejected: nil)
+        #expect(try creds.authorization(rejected: first) == "Bearer tok-2")
+        // Requests sent with tok-2 come back 401 as well: nothing newer (the caller's 401
+        // stands), however many ask.
+        for _ in 0..<4 { #expect(try creds.authorization(rejected: "Bearer tok-2") == "Bearer tok-2") }
+        #expect(service.calls.load(ordering: .relaxed) == 2)
+        Thread.sleep(forTimeInterval: 0.4)
         #expect(try creds.authorization(rejected: "Bearer tok-2") == "Bearer tok-3")
+        #expect(try creds.authorization(rejected: nil) == "Bearer tok-3")
     }
 
     @Test func concurrentRejectionsShareOneRefresh() async throws {

@@ -370,6 +370,22 @@ def test_persistent_401_is_eacces_after_one_forced_refresh(bare_mount, firebase,
     assert _read(m.p("shared/s11.txt")) == FB_FILES["shared/s11.txt"], "EACCES was cached"
 
 
+def test_a_persistent_401_forces_one_refresh_not_one_per_request(bare_mount, firebase, auth_server,
+                                                                  users, buckets):
+    # Every request after the forced refresh carries the fresh token: each one's 401 used to
+    # force a refresh of its own, one per file read while the server turned them all away.
+    m = fb_signin_mount(bare_mount, firebase, auth_server, users)
+    assert _read(m.p("shared/s12.txt")) == FB_FILES["shared/s12.txt"]
+    refreshes = auth_server.counts["securetoken"]
+    firebase.fail_always(401)
+    for name in ("shared/s13.txt", "shared/s14.txt", "shared/s15.txt", "shared/s16.txt"):
+        assert errname(errno_of(_read, m.p(name))) == "EACCES", name
+    assert auth_server.counts["securetoken"] == refreshes + 1, \
+        f"{auth_server.counts['securetoken'] - refreshes} refreshes for four reads refused with 401"
+    firebase.clear_faults()
+    assert _read(m.p("shared/s17.txt")) == FB_FILES["shared/s17.txt"]
+
+
 def test_persistent_401_with_token_file_is_eacces(bare_mount, firebase, auth_server, users,
                                                   buckets):
     tf = os.path.join(bare_mount.new_dir("tok"), "id-token")

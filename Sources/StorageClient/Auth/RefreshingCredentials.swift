@@ -22,6 +22,13 @@ func wallClock() -> Double {
 /// Credentials whose token comes from a token service and is renewed before it expires:
 /// about 5 minutes early (as the iOS SDK does) and once, forced, after a 401. One refresh at
 /// a time; concurrent callers wait for it instead of stampeding the token service.
+///
+/// A token that a 401 forced and that is itself turned away within `forcedRefreshSpacing`
+/// (30 s) is not renewed again: a server that refuses a token minutes from its expiry refuses the
+/// credentials, not the token's age, and every request after the first refresh carried the
+/// fresh token, so each one's 401 forced a refresh of its own (one per file read while the
+/// server refused them all). The caller's 401 stands (`EACCES`), and the next forced refresh
+/// may come once the spacing has passed.
 public final class RefreshingCredentials: Credentials {
     public static let refreshMargin: Double = 300
 
@@ -29,13 +36,17 @@ public final class RefreshingCredentials: Credentials {
     private let fetch: @Sendable (_ previous: AccessToken?) throws(StorageError) -> AccessToken
     private let current = Mutex<AccessToken?>(nil)
     private let refreshing = NSLock()
+    /// The header value of the last token a rejection forced, and when (monotonic seconds).
+    private let lastForced = Mutex<(value: String, at: Double)?>(nil)
+    private let forcedRefreshSpacing: Double
     /// What these credentials are, for messages ("service account x@y").
     public let label: String
 
-    public init(scheme: String, label: String,
+    public init(scheme: String, label: String, forcedRefreshSpacing: Double = 30,
                 fetch: @escaping @Sendable (_ previous: AccessToken?) throws(StorageError) -> AccessToken) {
         self.scheme = scheme
         self.label = label
+        self.forcedRefreshSpacing = forcedRefreshSpacing
         self.fetch = fetch
     }
 
@@ -56,8 +67,14 @@ public final class RefreshingCredentials: Credentials {
            "\(scheme) \(now.value)" != (rejected ?? seen.map { "\(scheme) \($0.value)" }) {
             return "\(scheme) \(now.value)"
         }
+        if let rejected, let now, now.expiresAt - wallClock() > Self.refreshMargin,
+           let forced = lastForced.withLock({ $0 }), forced.value == rejected,
+           monotonicNow() - forced.at < forcedRefreshSpacing {
+            return rejected  // nothing newer to offer: the 401 stands
+        }
         let fresh = try fetch(now)
         current.withLock { $0 = fresh }
+        if rejected != nil { lastForced.withLock { $0 = ("\(scheme) \(fresh.value)", monotonicNow()) } }
         AuthLog.debugAuth("credentials=\(label) refreshed, valid for \(Int(fresh.expiresAt - wallClock()))s")
         return "\(scheme) \(fresh.value)"
     }
