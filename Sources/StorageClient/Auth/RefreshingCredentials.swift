@@ -24,7 +24,7 @@ func wallClock() -> Double {
 /// a time; concurrent callers wait for it instead of stampeding the token service.
 ///
 /// A token that a 401 forced and that is itself turned away within `forcedRefreshSpacing`
-/// (30 s) is not renewed again: a server that refuses a token minutes from its expiry refuses the
+/// (30 s) is not renewed again: a server that refuses a token just renewed refuses the
 /// credentials, not the token's age, and every request after the first refresh carried the
 /// fresh token, so each one's 401 forced a refresh of its own (one per file read while the
 /// server refused them all). The caller's 401 stands (`EACCES`), and the next forced refresh
