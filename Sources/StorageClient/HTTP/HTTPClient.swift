@@ -189,7 +189,8 @@ public final class HTTPClient: Sendable {
         // end, so each part's buffer is fresh pages, faulted and zeroed on first use (a VM
         // exit each here). 512 KiB cost 14–17k page faults per GiB read through `wan`, 64 KiB
         // 3–4k, and 48 parts in flight held 24 MiB of them (docs/architecture.md, "Adaptive
-        // transfers", Buffers). Small ranged reads and JSON answers keep the default.
+        // transfers", curl's receive buffer). Small ranged reads and JSON answers keep the
+        // default.
         if case .window(let buffer, _) = sink, buffer.count >= 1 << 20 {
             _ = ccurl_setopt_long(h, CURLOPT_BUFFERSIZE, 64 * 1024)
         }
