@@ -76,7 +76,7 @@ struct AuthorizedHTTP: Sendable {
     }
 
     /// Ranged GET into `buffer`, with retries, within the time budget.
-    func getRange(_ url: String, what: String, start: Int64, into buffer: UnsafeMutableRawBufferPointer, untilEnd: Bool = false,
+    func getRange(_ url: String, what: String, start: Int64, into buffer: RangeBuffer, untilEnd: Bool = false,
                   isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> HTTPResponse {
         try retry.run(isCancelled: isCancelled, answered: answers) { deadline throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in

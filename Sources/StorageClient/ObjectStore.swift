@@ -13,9 +13,10 @@ public protocol ObjectStore: Sendable {
     func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool
     /// The object's current metadata.
     func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata
-    /// Copies bytes `[offset, offset + buffer.count)` of generation `generation` into `buffer`.
-    /// The caller clamps the range to the object's size; `buffer` is never empty.
-    func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+    /// Copies bytes `[offset, offset + buffer.count)` of generation `generation` into `buffer`
+    /// (taken when the first byte arrives, if it was made so: `RangeBuffer`). The caller clamps
+    /// the range to the object's size; `buffer` is never empty.
+    func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError)
     /// Proves the bucket exists and the credentials may list `prefix` (start-up check). Where
     /// listings carry sizes (GCS JSON), the check is the first listing page of `prefix`
@@ -81,6 +82,11 @@ extension ObjectStore {
         ConnectionClaim.run(http.claimNewConnection()) {
             try? read(name, generation: generation, offset: 0, into: byte, isCancelled: nil)
         }
+    }
+
+    public func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+                     isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+        try read(name, generation: generation, offset: offset, into: RangeBuffer(buffer), isCancelled: isCancelled)
     }
 
     public func list(prefix: String, pageToken: String?) throws(StorageError) -> ListPage {

@@ -82,7 +82,7 @@ final class MemoryStoreForAdapter: ObjectStore, @unchecked Sendable {
         return meta(name)
     }
 
-    func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+    func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {}
 
     func checkAccess(prefix: String) throws(StorageError) -> ListPage? { nil }

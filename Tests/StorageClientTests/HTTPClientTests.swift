@@ -112,6 +112,56 @@ final class RawHTTPServer: @unchecked Sendable {
         #expect { _ = try get(server, start: 30, count: 10) } throws: { ($0 as? StorageError)?.code == .retryLimitExceeded }
     }
 
+    /// A read-ahead part's buffer is taken when the body's first byte arrives, not while the
+    /// request waits for the answer, and never for an error answer (docs/architecture.md,
+    /// "Adaptive transfers", Buffers taken at the first byte).
+    @Test func aBufferTakenAtTheFirstByteIsNotTakenWhileTheAnswerIsAwaitedNorForAnError() throws {
+        let headersSent = DispatchSemaphore(value: 0), sendBody = DispatchSemaphore(value: 0)
+        let server = RawHTTPServer { c, request in
+            if request.contains("/missing") {
+                RawHTTPServer.send(c, "HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nnot found")
+                return
+            }
+            RawHTTPServer.send(c, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 30-39/100\r\nContent-Length: 10\r\n\r\n")
+            headersSent.signal()
+            sendBody.wait()
+            RawHTTPServer.send(c, String(Self.object.dropFirst(30).prefix(10)))
+        }
+        defer { server.stop() }
+        let http = HTTPClient(userAgent: "test")
+        let memory = UnsafeMutableRawBufferPointer.allocate(byteCount: 10, alignment: 1)
+        defer { memory.deallocate() }
+        let takes = Mutex(0)
+        let target = RangeBuffer(count: 10) {
+            takes.withLock { $0 += 1 }
+            return memory
+        }
+        let done = DispatchSemaphore(value: 0)
+        let result = Mutex<Result<HTTPResponse, StorageError>?>(nil)
+        Thread {
+            let r = Result { () throws(StorageError) -> HTTPResponse in try http.getRange(server.url, headers: [], start: 30, into: target) }
+            result.withLock { $0 = r }
+            done.signal()
+        }.start()
+        headersSent.wait()
+        usleep(200_000)  // the answer's headers are in, its body is not
+        #expect(takes.withLock { $0 } == 0)
+        sendBody.signal()
+        done.wait()
+        #expect(try result.withLock { $0 }?.get().status == 206)
+        #expect(takes.withLock { $0 } == 1)
+        #expect(String(decoding: memory, as: UTF8.self) == String(Self.object.dropFirst(30).prefix(10)))
+
+        let refused = RangeBuffer(count: 10) {
+            takes.withLock { $0 += 1 }
+            return memory
+        }
+        let answer = try http.getRange(server.url.replacingOccurrences(of: "/o", with: "/missing"), headers: [], start: 30,
+                                       into: refused)
+        #expect(answer.status == 404 && String(decoding: answer.body, as: UTF8.self) == "not found")
+        #expect(takes.withLock { $0 } == 1)
+    }
+
     /// A range asked before the object's size is known (`untilEnd`: a lookup's first bytes).
     func getUntilEnd(_ head: String, _ body: String, count: Int = 128) throws -> (bytes: Int, text: String) {
         let server = RawHTTPServer { c, _ in RawHTTPServer.send(c, head + body) }

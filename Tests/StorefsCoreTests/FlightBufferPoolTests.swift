@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 import Testing
 @testable import StorefsCore
 
@@ -144,5 +145,53 @@ import Testing
         let kept = reader.buffers.keptBytes.all + reader.requestBuffers.keptBytes.all
         #expect(reader.requestBuffers.keptBytes.all > 0, "the readers' misses used request-sized regions")
         #expect(kept <= limit, "parts \(reader.buffers.keptBytes.all), requests \(reader.requestBuffers.keptBytes.all)")
+    }
+}
+
+/// A read-ahead part takes its buffer when its first byte arrives (docs/architecture.md,
+/// "Adaptive transfers", Buffers taken at the first byte).
+@Suite struct BufferAtFirstByteTests {
+    /// Parts waiting for a far server's answer hold budget, not memory: taken when the
+    /// download starts, 2 MiB per part were resident for the whole wait.
+    @Test func readAheadWaitingForItsFirstByteHoldsNoBuffer() throws {
+        let store = MemoryStore()
+        let bytes = pattern(32 << 20)
+        store.put("f", bytes)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 256 << 20, blockSize: 16 << 10)
+        let config = BlockReader.Config(blockSize: 16 << 10, readAhead: 16 << 20, parallel: 4, partSize: 2 << 20,
+                                        memoryLimit: 64 << 20)
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: config)
+        defer { reader.finishPendingWork(timeout: 10) }
+        let stream = reader.openStream(try store.metadata(of: "f"))
+        defer { reader.closeStream(stream) }
+        // Every answer's first byte comes 0.5 s after its request.
+        store.delayReads(0.5)
+        let done = DispatchSemaphore(value: 0)
+        let failures = Mutex(0)
+        Thread.detachNewThread {
+            for i in 0..<8 {
+                var out = [UInt8](repeating: 0, count: 1 << 20)
+                let offset = Int64(i) << 20
+                do {
+                    if !out.withUnsafeMutableBytes({ reader.readCached(stream, at: offset, into: $0) }) {
+                        try out.withUnsafeMutableBytes { try reader.read(stream, at: offset, into: $0, observed: true, isCancelled: nil) }
+                    }
+                    if out[...] != bytes[Int(offset)..<Int(offset) + (1 << 20)] { failures.withLock { $0 += 1 } }
+                } catch {
+                    failures.withLock { $0 += 1 }
+                }
+            }
+            done.signal()
+        }
+        // Once parts are downloading (waiting for their first byte), none holds a buffer.
+        let deadline = Date().addingTimeInterval(5)
+        while reader.transfers.running == 0, Date() < deadline { usleep(1000) }
+        let kept = reader.buffers.keptBytes.all
+        #expect(reader.transfers.running > 0)
+        #expect(kept == 0, "\(kept) bytes of part buffers resident while every part waits for its first byte")
+        done.wait()
+        #expect(failures.withLock { $0 } == 0)
+        // The parts did take buffers once their bytes came.
+        #expect(reader.buffers.keptBytes.all > 0)
     }
 }

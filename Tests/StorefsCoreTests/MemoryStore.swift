@@ -133,7 +133,8 @@ final class MemoryStore: ObjectStore {
         return m
     }
 
-    func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+    /// Takes the buffer after the read's delay, as the HTTP client takes it at the first byte.
+    func read(_ name: String, generation: Int64, offset: Int64, into target: RangeBuffer,
               isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         counts.withLock { $0.read += 1 }
         try check()
@@ -142,7 +143,7 @@ final class MemoryStore: ObjectStore {
             if let isCancelled, isCancelled() { throw StorageError(.cancelled, "cancelled") }
             usleep(5_000)
         }
-        readBytes.withLock { $0 += buffer.count }
+        readBytes.withLock { $0 += target.count }
         if let f = firstByte.withLock({ $0 }) {
             StorageTelemetry.lastFirstByte = f
             fastest.note(f)
@@ -150,7 +151,8 @@ final class MemoryStore: ObjectStore {
         guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {
             throw StorageError(.generationChanged, "gone", httpStatus: 404)
         }
-        precondition(buffer.count > 0 && offset + Int64(buffer.count) <= m.size, "read outside the object")
+        precondition(target.count > 0 && offset + Int64(target.count) <= m.size, "read outside the object")
+        let buffer = target.bytes
         bytes.withUnsafeBytes { src in
             buffer.copyMemory(from: UnsafeRawBufferPointer(rebasing: src[Int(offset)..<(Int(offset) + buffer.count)]))
         }

@@ -65,7 +65,7 @@ public final class FirebaseV0Store: ObjectStore {
         return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 
-    public func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+    public func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
                      isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         // v0 has no generation parameter: the answer's x-goog-generation tells which one came.
         let url = "\(bucketPath)/\(ObjectName.encode(name))?alt=media"
@@ -86,7 +86,7 @@ public final class FirebaseV0Store: ObjectStore {
     public func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
                           isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectStart? {
         let url = "\(bucketPath)/\(ObjectName.encode(name))?alt=media"
-        let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: 0, into: buffer, untilEnd: true,
+        let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: 0, into: RangeBuffer(buffer), untilEnd: true,
                                            isCancelled: isCancelled)
         guard let served = response.headers["x-goog-generation"].flatMap({ Int64($0) }) else {
             throw StorageError(.invalidResponse, "gs://\(bucket)/\(name): the answer does not say its generation (x-goog-generation)")

@@ -59,7 +59,7 @@ public final class GCSJSONStore: ObjectStore {
         return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 
-    public func read(_ name: String, generation: Int64, offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
+    public func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
                      isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         let url = "\(endpoint)/download/storage/v1/b/\(ObjectName.encode(bucket))/o/\(ObjectName.encode(name))"
             + "?alt=media&generation=\(generation)"

@@ -34,7 +34,7 @@ final class CurlTransfer {
         case collect(limit: Int)
         /// Copy the bytes of `[start, start + buffer.count)` into `buffer`, whether the server
         /// answers 206 for that range or 200 with the whole object.
-        case window(buffer: UnsafeMutableRawBufferPointer, start: Int64)
+        case window(buffer: RangeBuffer, start: Int64)
     }
 
     let sink: Sink
@@ -124,7 +124,7 @@ final class CurlTransfer {
             let room = buffer.count - filled
             let n = min(room, chunk.count)
             if n > 0 {
-                buffer.baseAddress!.advanced(by: filled).copyMemory(from: chunk.baseAddress!, byteCount: n)
+                buffer.bytes.baseAddress!.advanced(by: filled).copyMemory(from: chunk.baseAddress!, byteCount: n)
                 filled += n
             }
             if n < chunk.count {

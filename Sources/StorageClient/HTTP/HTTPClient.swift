@@ -66,6 +66,14 @@ public final class HTTPClient: Sendable {
     public func getRange(_ url: String, headers: [String], start: Int64, into buffer: UnsafeMutableRawBufferPointer,
                          untilEnd: Bool = false, deadline: Double? = nil,
                          isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+        try getRange(url, headers: headers, start: start, into: RangeBuffer(buffer), untilEnd: untilEnd, deadline: deadline,
+                     isCancelled: isCancelled)
+    }
+
+    /// `getRange` into a buffer that may be taken only when the first body byte arrives.
+    public func getRange(_ url: String, headers: [String], start: Int64, into buffer: RangeBuffer,
+                         untilEnd: Bool = false, deadline: Double? = nil,
+                         isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
         precondition(buffer.count > 0, "no Range request for zero bytes")
         let last = start + Int64(buffer.count) - 1
         return try perform(url, headers: headers + ["Range: bytes=\(start)-\(last)"],

@@ -684,19 +684,25 @@ public final class BlockReader: Sendable {
         let t0 = now()
         var asked = true
         do throws(StorageError) {
-            let buffer = flight.beginDownload()
             // A file's first read takes the first bytes its lookup asked for, if they are of
             // this generation; the rest (if any) is downloaded.
             var have = 0
             if isCancelled != nil, flight.start == 0, !firstBytes.isEmpty,
                let first = firstBytes.take(meta.name, generation: meta.generation, size: meta.size, wait: 2, isCancelled: isCancelled) {
                 have = min(first.count, flight.length)
+                let buffer = flight.beginDownload()
                 first.withUnsafeBytes { buffer.baseAddress!.copyMemory(from: $0.baseAddress!, byteCount: have) }
             }
             if have < flight.length {
+                // The buffer is taken when the first byte arrives: a part waiting for a far
+                // server's answer holds budget, not memory (docs/architecture.md, "Adaptive
+                // transfers", Buffers taken at the first byte).
+                let from = have
+                let target = RangeBuffer(count: flight.length - from) {
+                    UnsafeMutableRawBufferPointer(rebasing: flight.beginDownload()[from...])
+                }
                 // Read-ahead has no reader to interrupt it: it ends at unmount.
-                try store.read(meta.name, generation: meta.generation, offset: flight.start + Int64(have),
-                               into: UnsafeMutableRawBufferPointer(rebasing: buffer[have...]),
+                try store.read(meta.name, generation: meta.generation, offset: flight.start + Int64(have), into: target,
                                isCancelled: isCancelled ?? { [self] in stopping.load(ordering: .relaxed) })
             } else {
                 asked = false
