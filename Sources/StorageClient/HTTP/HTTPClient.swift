@@ -225,12 +225,11 @@ public final class HTTPClient: Sendable {
         withExtendedLifetime(transfer) {}
         var status = 0
         _ = ccurl_getinfo_long(h, CURLINFO_RESPONSE_CODE, &status)
-        // From the request sent to its first byte: connection set-up is left out (a new
-        // connection is a one-off, the server's distance is paid by every request).
-        var firstByte = 0.0, sent = 0.0
+        var firstByte = 0.0, connected = 0.0, secured = 0.0
         _ = ccurl_getinfo_double(h, CURLINFO_STARTTRANSFER_TIME, &firstByte)
-        _ = ccurl_getinfo_double(h, CURLINFO_PRETRANSFER_TIME, &sent)
-        StorageTelemetry.lastFirstByte = max(0, firstByte - sent)
+        _ = ccurl_getinfo_double(h, CURLINFO_CONNECT_TIME, &connected)
+        _ = ccurl_getinfo_double(h, CURLINFO_APPCONNECT_TIME, &secured)
+        StorageTelemetry.lastFirstByte = Self.firstByteDelay(firstByte: firstByte, setUp: max(connected, secured))
 
         if rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && transfer.stoppedEarly) {
             checkin(easy)
@@ -260,6 +259,18 @@ public final class HTTPClient: Sendable {
         default:
             throw StorageError(.retryLimitExceeded, "transfer from \(Self.origin(of: url)) failed: \(reason)")
         }
+    }
+
+    /// Seconds from a request's start to its first byte, the connection's set-up (TCP, TLS;
+    /// 0 on a reused connection) left out: a new connection is a one-off, the server's
+    /// distance is paid by every request. Whatever else the calling thread waited for counts
+    /// too, so a busy machine can make a server look farther, never nearer. (Counted from
+    /// curl's PRETRANSFER mark, as it was, a wait of the thread after the request had gone out
+    /// hid the server's distance: a part through the `wan` link, 30 ms away, measured 2.7 ms,
+    /// and the read-ahead took the server for near mid-read; docs/architecture.md, "Adaptive
+    /// transfers", Start.)
+    static func firstByteDelay(firstByte: Double, setUp: Double) -> Double {
+        max(0, firstByte - setUp)
     }
 
     /// Whether `url` names this machine. Called for every request, so the answer is kept per

@@ -63,8 +63,9 @@ public enum StorageTelemetry {
         set { pthread_setspecific(attemptKey, UnsafeRawPointer(bitPattern: newValue)) }
     }
 
-    /// Seconds from sending this thread's last request to its first byte (connection set-up
-    /// left out): read-ahead learns from it how far away the server is.
+    /// Seconds from this thread's last request's start to its first byte, connection set-up
+    /// left out (`HTTPClient.firstByteDelay`): read-ahead learns from it how far away the
+    /// server is.
     public static var lastFirstByte: Double {
         get { Double(bitPattern: UInt64(UInt(bitPattern: pthread_getspecific(firstByteKey)))) }
         set { pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern))) }
