@@ -471,7 +471,9 @@ final class CachedObject: Sendable {
     /// memory before it is taken and whoever holds it writes every page set since the last
     /// write (a group commit, docs/architecture.md, "Cache writes"): one direct page write
     /// takes about a millisecond here, and one per store, in turn, held up to 40 finished
-    /// parts (80 MiB) in memory behind it on a cold loopback read.
+    /// parts (80 MiB) in memory behind it on a cold loopback read. A store that finds it
+    /// taken does not wait: the holder looks again once it lets go and writes what was left
+    /// (`commitIndex`, `commitLeftSets`).
     private let indexWriting = NSLock()
     private let indexWriteCount = Atomic<Int>(0)
 
@@ -481,11 +483,56 @@ final class CachedObject: Sendable {
     /// Entry sets made beside direct data writes and not on disk yet (tests).
     var unwrittenIndexSets: UInt64 { state.withLock { $0.setsMade - $0.setsWritten } }
 
-    /// Runs `body` while no index write of this file can start (tests: stores queue up).
+    /// Runs `body` while no index write of this file can start (tests: stores leave their
+    /// entries to it), then writes what they left.
     func withIndexWritesHeld<T>(_ body: () throws -> T) rethrows -> T {
         indexWriting.lock()
-        defer { indexWriting.unlock() }
+        defer {
+            indexWriting.unlock()
+            commitLeftSets()
+        }
         return try body()
+    }
+
+    /// Writes the dirty index pages (beside direct data writes) unless another thread holds
+    /// `indexWriting`: then this set is left to that thread, which looks again once it has let
+    /// go of the lock. The data is on disk already and the entries are set in memory, so the
+    /// store need not wait for a write made for it: a store used to wait here for the one
+    /// under way (its page queued at the disk behind the data writes) and then often for its
+    /// own, ~10–16 ms a 2 MiB part through `wan`, and the finished parts waiting so held up to
+    /// 40 buffers (docs/architecture.md, "Cache writes"). `direct` must stay open meanwhile:
+    /// the caller holds a user of the file. `own` runs under the lock when a direct page
+    /// write is refused (EINVAL): it writes the caller's entries buffered (the pages stay
+    /// marked, so this thread stops there). 0, or the errno of a failed write.
+    private func commitIndex(direct: Int32, own: (() -> Int32)?) -> Int32 {
+        while indexWriting.try() {
+            var failure = writeDirtyPages(direct: direct)
+            let refused = failure == EINVAL
+            if refused, let own { failure = own() }
+            indexWriting.unlock()
+            // A store that found the lock taken meanwhile left its entries to this thread.
+            guard failure == 0, !refused, state.withLock({ $0.setsWritten < $0.setsMade }) else { return failure }
+        }
+        return 0
+    }
+
+    /// After holding `indexWriting` outside a store (eviction, tests): writes the entry sets
+    /// stores left meanwhile, while the file is open (a user held for the write, so its
+    /// descriptor cannot close under it). A file closed meanwhile keeps them in memory only:
+    /// those blocks read as absent after a remount, as after a crash.
+    private func commitLeftSets() {
+        let direct = state.withLock { s -> Int32 in
+            guard s.setsWritten < s.setsMade, s.users > 0, s.fd >= 0, !s.directRefused, s.directFD >= 0 else { return -1 }
+            s.users += 1
+            return s.directFD
+        }
+        guard direct >= 0 else { return }
+        let failure = commitIndex(direct: direct, own: nil)
+        // EINVAL: the device refused the alignment; the entries stay marked for the next store.
+        if failure != 0, failure != EINVAL {
+            cache.degrade("cannot write a cache index entry: \(String(cString: strerror(failure)))")
+        }
+        close()
     }
 
     /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
@@ -708,21 +755,18 @@ final class CachedObject: Sendable {
             // file's `writing` lock anyway; a page written direct would wait for the disk).
             // Every index write of a file holds `indexWriting`, so a page built from memory
             // never overwrites an entry written after it was built. Direct: the entries are set
-            // before the lock, so the one who takes it next writes them with its own.
+            // before the lock, and a store that finds it taken leaves them to its holder.
             let duplicate: Int64
             var failure: Int32
             if stillDirect >= 0 {
-                let set: UInt64
-                (duplicate, set) = setEntries(entries, from: runFirst, direct: true)
-                indexWriting.lock()
-                failure = writeDirtyPages(through: set, direct: stillDirect)
-                if failure == EINVAL {  // the device refused the alignment: these entries buffered
-                    failure = writeEntries(entries, from: runFirst, fd: fd)
+                duplicate = setEntries(entries, from: runFirst, direct: true)
+                failure = commitIndex(direct: stillDirect) {
+                    // The device refused the alignment: these entries buffered.
+                    self.writeEntries(entries, from: runFirst, fd: fd)
                 }
-                indexWriting.unlock()
             } else {
                 indexWriting.lock()
-                duplicate = setEntries(entries, from: runFirst, direct: false).duplicate
+                duplicate = setEntries(entries, from: runFirst, direct: false)
                 failure = writeEntries(entries, from: runFirst, fd: fd)
                 indexWriting.unlock()
             }
@@ -735,23 +779,22 @@ final class CachedObject: Sendable {
     }
 
     /// Sets index entries in memory from block `first` on; returns the disk bytes of blocks
-    /// that were present already (stored twice: counted once) and, beside direct data writes
-    /// (`direct`), the number of this set, its pages marked for `writeDirtyPages`.
-    private func setEntries(_ entries: [CacheFileFormat.Entry], from first: Int,
-                            direct: Bool) -> (duplicate: Int64, set: UInt64) {
+    /// that were present already (stored twice: counted once). Beside direct data writes
+    /// (`direct`) their pages are marked for `writeDirtyPages`, and the set counted.
+    private func setEntries(_ entries: [CacheFileFormat.Entry], from first: Int, direct: Bool) -> Int64 {
         let t = cache.tick()
-        return state.withLock { s -> (Int64, UInt64) in
+        return state.withLock { s -> Int64 in
             var dup: Int64 = 0
             for (i, e) in entries.enumerated() {
                 if s.index.isPresent(first + i) { dup += Self.diskBytes(Int(s.index[first + i].length)) }
                 s.index.set(first + i, e, tick: t)
             }
-            guard direct, !entries.isEmpty else { return (dup, 0) }
+            guard direct, !entries.isEmpty else { return dup }
             let page = DirectWrites.alignment
             let pages = Int(format.entryOffset(first)) / page...Int(format.entryOffset(first + entries.count) - 1) / page
             s.dirtyPages.formUnion(pages)
             s.setsMade += 1
-            return (dup, s.setsMade)
+            return dup
         }
     }
 
@@ -763,16 +806,19 @@ final class CachedObject: Sendable {
     private static let pagesPerIndexWrite = 256
 
     /// Writes, past the page cache, every index page whose entries were set since it was last
-    /// written, unless a write made since set `set` took it in already. 0, or the errno of the
-    /// write that failed (its pages stay marked, for the next store to try). The caller holds
-    /// `indexWriting`.
-    private func writeDirtyPages(through set: UInt64, direct: Int32) -> Int32 {
+    /// written. 0, or the errno of the write that failed (its pages stay marked, for the next
+    /// store to try). The caller holds `indexWriting`.
+    private func writeDirtyPages(direct: Int32) -> Int32 {
         let (pages, made) = state.withLock { s -> ([Int], UInt64) in
-            guard s.setsWritten < set else { return ([], s.setsWritten) }
+            guard s.setsWritten < s.setsMade else { return ([], s.setsWritten) }
             defer { s.dirtyPages.removeAll(keepingCapacity: true) }
             return (s.dirtyPages.sorted(), s.setsMade)
         }
-        if pages.isEmpty { return 0 }
+        if pages.isEmpty {
+            // Every set made so far was in a write that ended (an empty set has no pages).
+            state.withLock { $0.setsWritten = max($0.setsWritten, made) }
+            return 0
+        }
         var i = 0
         while i < pages.count {
             var j = i + 1
@@ -1030,7 +1076,10 @@ final class CachedObject: Sendable {
         // Under `indexWriting`: an index page built before this and written after it would
         // bring the entries back (their blocks then fail their checks: refetched, but untidy).
         indexWriting.lock()
-        defer { indexWriting.unlock() }
+        defer {
+            indexWriting.unlock()
+            commitLeftSets()
+        }
         return state.withLock { s -> Int64 in
             var freed: Int64 = 0
             s.index.forEachPresent { _, e, _ in freed += Self.diskBytes(Int(e.length)) }
@@ -1065,7 +1114,10 @@ final class CachedObject: Sendable {
     /// would otherwise take these writes into another file.
     func evict(block: Int) -> Int64 {
         indexWriting.lock()  // as in `evictAll`
-        defer { indexWriting.unlock() }
+        defer {
+            indexWriting.unlock()
+            commitLeftSets()
+        }
         return state.withLock { s -> Int64 in
             let entry = s.index[block]
             guard entry.length != 0 else { return 0 }
