@@ -250,10 +250,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// other (each waits for the disk: on a cold loopback read 40 finished parts waited in that
     /// queue), and every entry is on disk, as a reopened cache shows.
     @Test func storesQueuedBehindAnIndexWriteAreWrittenTogether() throws {
-        var m = meta
-        m.size = 4 << 20
-        let bytes = pattern(Int(m.size), seed: 13)
-        let buffer = aligned(bytes)
+        let (m, bytes, buffer) = fourMiBObject(seed: 13)
         defer { buffer.deallocate() }
         let block = 16 << 10
         let address = Int(bitPattern: buffer.baseAddress)
@@ -302,10 +299,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// spent ~10–16 ms behind index pages queued at the disk, and 40 finished parts at a time
     /// held their buffers. Once the holder lets go, the entries it was left are on disk.
     @Test func aStoreDoesNotWaitForAnIndexWriteUnderWay() throws {
-        var m = meta
-        m.size = 4 << 20
-        let bytes = pattern(Int(m.size), seed: 17)
-        let buffer = aligned(bytes)
+        let (m, bytes, buffer) = fourMiBObject(seed: 17)
         defer { buffer.deallocate() }
         let block = 16 << 10
         let address = Int(bitPattern: buffer.baseAddress)
@@ -337,6 +331,14 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(got.withUnsafeMutableBytes { o.read(at: Int64(part * block), into: $0) })
         #expect(got.elementsEqual(bytes[(part * block)..<(2 * part * block)]))
         again.release(o)
+    }
+
+    /// A 4 MiB object, its bytes, and a page-aligned copy of them (for direct writes).
+    func fourMiBObject(seed: UInt8) -> (ObjectMetadata, [UInt8], UnsafeMutableRawBufferPointer) {
+        var m = meta
+        m.size = 4 << 20
+        let bytes = pattern(Int(m.size), seed: seed)
+        return (m, bytes, aligned(bytes))
     }
 
     /// A 40 MiB object (three 16 MiB allocation chunks) and a 2 MiB part of it, page-aligned.
