@@ -473,7 +473,7 @@ final class CachedObject: Sendable {
     /// takes about a millisecond here, and one per store, in turn, held up to 40 finished
     /// parts (80 MiB) in memory behind it on a cold loopback read. A store that finds it
     /// taken does not wait: the holder looks again once it lets go and writes what was left
-    /// (`commitIndex`, `commitLeftSets`).
+    /// (`commitIndex`; outside a store, `letGoOfIndexWriting`).
     private let indexWriting = NSLock()
     private let indexWriteCount = Atomic<Int>(0)
 
@@ -487,10 +487,7 @@ final class CachedObject: Sendable {
     /// entries to it), then writes what they left.
     func withIndexWritesHeld<T>(_ body: () throws -> T) rethrows -> T {
         indexWriting.lock()
-        defer {
-            indexWriting.unlock()
-            commitLeftSets()
-        }
+        defer { letGoOfIndexWriting() }
         return try body()
     }
 
@@ -516,10 +513,17 @@ final class CachedObject: Sendable {
         return 0
     }
 
-    /// After holding `indexWriting` outside a store (eviction, tests): writes the entry sets
-    /// stores left meanwhile, while the file is open (a user held for the write, so its
-    /// descriptor cannot close under it). A file closed meanwhile keeps them in memory only:
-    /// those blocks read as absent after a remount, as after a crash.
+    /// Unlocks `indexWriting` taken outside a store (eviction, tests) and writes the entry sets
+    /// stores left meanwhile: every holder must look after letting go (`commitIndex`).
+    private func letGoOfIndexWriting() {
+        indexWriting.unlock()
+        commitLeftSets()
+    }
+
+    /// The entry sets stores left while `indexWriting` was held outside a store, written while
+    /// the file is open (a user held for the write, so its descriptor cannot close under it).
+    /// A file closed meanwhile keeps them in memory only: those blocks read as absent after a
+    /// remount, as after a crash.
     private func commitLeftSets() {
         let direct = state.withLock { s -> Int32 in
             guard s.setsWritten < s.setsMade, s.users > 0, s.fd >= 0, !s.directRefused, s.directFD >= 0 else { return -1 }
@@ -1076,10 +1080,7 @@ final class CachedObject: Sendable {
         // Under `indexWriting`: an index page built before this and written after it would
         // bring the entries back (their blocks then fail their checks: refetched, but untidy).
         indexWriting.lock()
-        defer {
-            indexWriting.unlock()
-            commitLeftSets()
-        }
+        defer { letGoOfIndexWriting() }
         return state.withLock { s -> Int64 in
             var freed: Int64 = 0
             s.index.forEachPresent { _, e, _ in freed += Self.diskBytes(Int(e.length)) }
@@ -1114,10 +1115,7 @@ final class CachedObject: Sendable {
     /// would otherwise take these writes into another file.
     func evict(block: Int) -> Int64 {
         indexWriting.lock()  // as in `evictAll`
-        defer {
-            indexWriting.unlock()
-            commitLeftSets()
-        }
+        defer { letGoOfIndexWriting() }
         return state.withLock { s -> Int64 in
             let entry = s.index[block]
             guard entry.length != 0 else { return 0 }
