@@ -377,6 +377,35 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         small.release(p)
     }
 
+    /// Each allocation waits for every direct write of the file under way, so read-ahead that
+    /// needs a chunk allocates as many chunks after it as the file already holds (here at most
+    /// 4 at once: 1/64 of a 4 GiB cap): 16, then 32, then 64 MiB, never past the object, and
+    /// never ahead for a file that holds nothing yet. What goes beyond the blocks goes at close.
+    @Test func readAheadAllocatesAheadAsManyChunksAsTheFileHolds() throws {
+        var m = meta
+        m.size = 160 << 20  // ten 16 MiB chunks
+        let part = aligned(pattern(2 << 20, seed: 7))
+        defer { part.deallocate() }
+        let cache = try BlockCache(directory: dir, capacity: 4 << 30, blockSize: 16 << 10)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        func allocated() -> Int64 { allocatedBytes(o.path) - o.overheadBytes }
+        func store(atMiB mib: Int) { o.store(first: (mib << 20) / (16 << 10), UnsafeRawBufferPointer(part), ahead: true) }
+        let slack: Int64 = 1 << 20
+        store(atMiB: 0)  // chunk 0 only: the file held nothing
+        #expect(allocated() >= 16 << 20 && allocated() < (16 << 20) + slack, "allocated \(allocated())")
+        store(atMiB: 16)  // chunk 1, and 1 ahead
+        #expect(allocated() >= 48 << 20 && allocated() < (48 << 20) + slack, "allocated \(allocated())")
+        store(atMiB: 32)  // inside chunk 2, allocated ahead: nothing more
+        #expect(allocated() < (48 << 20) + slack, "allocated \(allocated())")
+        store(atMiB: 48)  // chunk 3 and 3 ahead: 4 at once, the most
+        #expect(allocated() >= 112 << 20 && allocated() < (112 << 20) + slack, "allocated \(allocated())")
+        store(atMiB: 112)  // chunk 7 and the 2 left before the object's end
+        #expect(allocated() >= 160 << 20 && allocated() < (160 << 20) + slack, "allocated \(allocated())")
+        cache.release(o)
+        #expect(allocated() <= (10 << 20) + (64 << 10), "after close: allocated \(allocated()) for 10 MiB of blocks")
+        #expect(o.storedBytes == 10 << 20)
+    }
+
     /// A daemon killed while reading ahead leaves its chunks allocated beyond the blocks
     /// written: the next mount lets that go the first time it opens the file, and keeps the
     /// blocks.

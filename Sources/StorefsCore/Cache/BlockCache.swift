@@ -544,10 +544,18 @@ final class CachedObject: Sendable {
     /// (2–4 MiB) queued 8 readers' writers behind each other (docs/architecture.md, "Cache
     /// writes"). What a chunk holds beyond the blocks written is disk the cap does not count,
     /// so a chunk is at most 1/64 of the cap, none below 4 MiB (then each run allocates its
-    /// own range), and the rest of a file's chunks is let go when its last user closes it.
+    /// own range), an allocation (with the chunks taken ahead) at most 1/64 of the cap too,
+    /// and the rest of a file's chunks is let go when its last user closes it.
     private var allocationChunk: Int64 {
         let chunk = min(16 << 20, cache.capacity / 64) / Int64(format.blockSize) * Int64(format.blockSize)
         return chunk >= 4 << 20 ? chunk : 0
+    }
+
+    /// Chunks one allocation may take at most: itself and those allocated ahead with it, within
+    /// 128 MiB and 1/64 of the cap (`allocate`).
+    private var allocationRunChunks: Int {
+        let chunk = allocationChunk
+        return chunk > 0 ? max(1, Int(min(128 << 20, cache.capacity / 64) / chunk)) : 1
     }
 
     init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex) {
@@ -933,6 +941,15 @@ final class CachedObject: Sendable {
     /// overwrite, which ext4 runs under a shared inode lock beside the file's other writers.
     /// Read-ahead (`ahead`) allocates whole `allocationChunk`s once each; a reader's own miss
     /// (random reads, mostly) only its own range.
+    ///
+    /// Each allocation waits for every direct write of the file under way, so read-ahead that
+    /// needs a chunk also allocates the chunks after it, as many as the file has allocated
+    /// already (up to `allocationRunChunks`): a file read from its start allocates 16, 32, 64,
+    /// then 128 MiB at a time. Disk the cap does not count thus grows with what the file holds,
+    /// as read-ahead grows with evidence: a `head` of a large file still allocates one chunk
+    /// (docs/architecture.md, "Cache writes"). A chunk is claimed before its `fallocate`, so two
+    /// stores never allocate it twice; a store into a chunk still being allocated writes into
+    /// unallocated blocks, which is slower beside other writers but right.
     private func allocate(blocks: Range<Int>, direct: Int32, ahead: Bool) {
         let bs = Int64(format.blockSize)
         let from = Int64(blocks.lowerBound) * bs
@@ -942,16 +959,43 @@ final class CachedObject: Sendable {
             SparseFile.allocate(direct, offset: format.dataOffset + from, length: to - from)
             return
         }
-        let missing = state.withLock { s in
-            (Int(from / chunk)...Int((to - 1) / chunk)).filter { !s.allocatedChunks.contains($0) }
+        let chunks = Int((format.objectSize + chunk - 1) / chunk)
+        let most = allocationRunChunks
+        let (needed, claimed) = state.withLock { s -> ([Int], [Int]) in
+            let needed = (Int(from / chunk)...Int((to - 1) / chunk)).filter { !s.allocatedChunks.contains($0) }
+            guard let last = needed.last else { return ([], []) }
+            var claim = needed
+            let ahead = min(s.allocatedChunks.count, most - needed.count)
+            var next = last + 1
+            while next - last <= ahead, next < chunks, !s.allocatedChunks.contains(next) {
+                claim.append(next)
+                next += 1
+            }
+            s.allocatedChunks.formUnion(claim)
+            return (needed, claim)
         }
-        for c in missing {
-            let start = Int64(c) * chunk
-            let length = min(chunk, format.objectSize - start)
-            if SparseFile.allocate(direct, offset: format.dataOffset + start, length: length) {
+        // One `fallocate` per run of consecutive chunks. Where a run fails (a disk nearly full),
+        // the chunks ahead are given up and those this store needs are tried alone, as before
+        // any were allocated ahead; a chunk that still fails may be tried again by a later store.
+        var i = claimed.startIndex
+        while i < claimed.endIndex {
+            var j = i
+            while j + 1 < claimed.endIndex, claimed[j + 1] == claimed[j] + 1 { j += 1 }
+            let run = claimed[i...j]
+            i = j + 1
+            if allocateChunks(run.first!...run.last!, chunk: chunk, direct: direct) { continue }
+            state.withLock { s in for c in run { s.allocatedChunks.remove(c) } }
+            guard run.count > 1 else { continue }
+            for c in run where needed.contains(c) && allocateChunks(c...c, chunk: chunk, direct: direct) {
                 state.withLock { _ = $0.allocatedChunks.insert(c) }
             }
         }
+    }
+
+    private func allocateChunks(_ chunks: ClosedRange<Int>, chunk: Int64, direct: Int32) -> Bool {
+        let start = Int64(chunks.lowerBound) * chunk
+        let end = min(format.objectSize, Int64(chunks.upperBound + 1) * chunk)
+        return SparseFile.allocate(direct, offset: format.dataOffset + start, length: end - start)
     }
 
     /// Stores blocks (as `store(first:_:)`), then, if that made the object complete, checks it
