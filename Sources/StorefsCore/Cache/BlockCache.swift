@@ -961,41 +961,27 @@ final class CachedObject: Sendable {
         }
         let chunks = Int((format.objectSize + chunk - 1) / chunk)
         let most = allocationRunChunks
-        let (needed, claimed) = state.withLock { s -> ([Int], [Int]) in
+        let claimed = state.withLock { s -> ClosedRange<Int>? in
             let needed = (Int(from / chunk)...Int((to - 1) / chunk)).filter { !s.allocatedChunks.contains($0) }
-            guard let last = needed.last else { return ([], []) }
-            var claim = needed
+            guard let first = needed.first, let last = needed.last else { return nil }
             let ahead = min(s.allocatedChunks.count, most - needed.count)
-            var next = last + 1
-            while next - last <= ahead, next < chunks, !s.allocatedChunks.contains(next) {
-                claim.append(next)
-                next += 1
-            }
-            s.allocatedChunks.formUnion(claim)
-            return (needed, claim)
+            var end = last
+            while end + 1 - last <= ahead, end + 1 < chunks, !s.allocatedChunks.contains(end + 1) { end += 1 }
+            s.allocatedChunks.formUnion(needed)
+            s.allocatedChunks.formUnion(last...end)
+            return first...end
         }
-        // One `fallocate` per run of consecutive chunks. Where a run fails (a disk nearly full),
-        // the chunks ahead are given up and those this store needs are tried alone, as before
-        // any were allocated ahead; a chunk that still fails may be tried again by a later store.
-        var i = claimed.startIndex
-        while i < claimed.endIndex {
-            var j = i
-            while j + 1 < claimed.endIndex, claimed[j + 1] == claimed[j] + 1 { j += 1 }
-            let run = claimed[i...j]
-            i = j + 1
-            if allocateChunks(run.first!...run.last!, chunk: chunk, direct: direct) { continue }
-            state.withLock { s in for c in run { s.allocatedChunks.remove(c) } }
-            guard run.count > 1 else { continue }
-            for c in run where needed.contains(c) && allocateChunks(c...c, chunk: chunk, direct: direct) {
-                state.withLock { _ = $0.allocatedChunks.insert(c) }
-            }
-        }
-    }
-
-    private func allocateChunks(_ chunks: ClosedRange<Int>, chunk: Int64, direct: Int32) -> Bool {
-        let start = Int64(chunks.lowerBound) * chunk
-        let end = min(format.objectSize, Int64(chunks.upperBound + 1) * chunk)
-        return SparseFile.allocate(direct, offset: format.dataOffset + start, length: end - start)
+        guard let claimed else { return }
+        // One `fallocate` for the run (the chunks a store needs are consecutive, and those
+        // ahead follow them; one already claimed in between, by a store beside this one, is
+        // allocated again, which changes nothing). A run that fails stays claimed: what it did
+        // allocate (ext4 keeps the blocks it allocated before running out of space) is punched
+        // with the rest at close, and writes into what it did not are slower beside other
+        // writers, still right. Nothing is tried again in this open, as a full disk or a
+        // filesystem without `fallocate` would refuse each try anyway.
+        let start = Int64(claimed.lowerBound) * chunk
+        let end = min(format.objectSize, Int64(claimed.upperBound + 1) * chunk)
+        SparseFile.allocate(direct, offset: format.dataOffset + start, length: end - start)
     }
 
     /// Stores blocks (as `store(first:_:)`), then, if that made the object complete, checks it
