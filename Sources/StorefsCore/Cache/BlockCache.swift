@@ -967,14 +967,12 @@ final class CachedObject: Sendable {
             let ahead = min(s.allocatedChunks.count, most - needed.count)
             var end = last
             while end + 1 - last <= ahead, end + 1 < chunks, !s.allocatedChunks.contains(end + 1) { end += 1 }
-            s.allocatedChunks.formUnion(needed)
-            s.allocatedChunks.formUnion(last...end)
+            s.allocatedChunks.formUnion(first...end)
             return first...end
         }
         guard let claimed else { return }
-        // One `fallocate` for the run (the chunks a store needs are consecutive, and those
-        // ahead follow them; one already claimed in between, by a store beside this one, is
-        // allocated again, which changes nothing). A run that fails stays claimed: what it did
+        // One `fallocate` for the run: the chunks a store needs (one or two: a run is at most
+        // 4 MiB) and those ahead of them. A run that fails stays claimed: what it did
         // allocate (ext4 keeps the blocks it allocated before running out of space) is punched
         // with the rest at close, and writes into what it did not are slower beside other
         // writers, still right. Nothing is tried again in this open, as a full disk or a
