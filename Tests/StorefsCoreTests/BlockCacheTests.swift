@@ -341,10 +341,11 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         return (m, bytes, aligned(bytes))
     }
 
-    /// A 40 MiB object (three 16 MiB allocation chunks) and a 2 MiB part of it, page-aligned.
-    func fortyMiBObjectAndAPart(seed: UInt8) -> (ObjectMetadata, UnsafeMutableRawBufferPointer) {
+    /// An object of `mib` MiB (40: three 16 MiB allocation chunks) and a 2 MiB part of it,
+    /// page-aligned.
+    func objectAndAPart(mib: Int64 = 40, seed: UInt8) -> (ObjectMetadata, UnsafeMutableRawBufferPointer) {
         var m = meta
-        m.size = 40 << 20
+        m.size = mib << 20
         return (m, aligned(pattern(2 << 20, seed: seed)))
     }
 
@@ -354,7 +355,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// what the chunks hold beyond the blocks written goes when the file is closed, as the
     /// cap does not count it. A small cap (chunks of 1/64 of it under 4 MiB) allocates per run.
     @Test func readAheadAllocatesWholeChunksOnceAndLetsTheRestGoAtClose() throws {
-        let (m, part) = fortyMiBObjectAndAPart(seed: 3)
+        let (m, part) = objectAndAPart(seed: 3)
         defer { part.deallocate() }
         let cache = try BlockCache(directory: dir, capacity: 1 << 30, blockSize: 16 << 10)
         let o = try #require(cache.acquire(endpoint: "e", meta: m))
@@ -382,9 +383,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// 4 at once: 1/64 of a 4 GiB cap): 16, then 32, then 64 MiB, never past the object, and
     /// never ahead for a file that holds nothing yet. What goes beyond the blocks goes at close.
     @Test func readAheadAllocatesAheadAsManyChunksAsTheFileHolds() throws {
-        var m = meta
-        m.size = 160 << 20  // ten 16 MiB chunks
-        let part = aligned(pattern(2 << 20, seed: 7))
+        let (m, part) = objectAndAPart(mib: 160, seed: 7)  // ten 16 MiB chunks
         defer { part.deallocate() }
         let cache = try BlockCache(directory: dir, capacity: 4 << 30, blockSize: 16 << 10)
         let o = try #require(cache.acquire(endpoint: "e", meta: m))
@@ -410,7 +409,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// written: the next mount lets that go the first time it opens the file, and keeps the
     /// blocks.
     @Test func allocationLeftByAKilledDaemonGoesAtTheNextOpen() throws {
-        let (m, part) = fortyMiBObjectAndAPart(seed: 4)
+        let (m, part) = objectAndAPart(seed: 4)
         defer { part.deallocate() }
         let path: String
         do {

@@ -8,6 +8,7 @@ requests and bytes are counted by the proxy (`proxy.counts['media']`, `proxy.med
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import math
@@ -537,12 +538,37 @@ def test_sigint_ends_a_stalled_cat_and_the_mount_carries_on(mount, proxy, corpus
 
 
 # ---------------------------------------------------------------------- 10. full disk
-def test_full_cache_disk_degrades_to_streaming(mount, corpus):
-    small = mount.new_dir("tinyfs")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M,mode=0700", "tmpfs", small],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, f"cannot mount a tmpfs for the cache: {r.stderr}"
+@contextlib.contextmanager
+def small_disk(mount, name: str, make):
+    """A small filesystem mounted at a new directory, for a cache_dir that fills. `make(dir)`
+    gives the commands that create and mount it (an image, if any, named dir + ".img"). On the
+    way out, even when the test failed, every storefs mount whose cache is on it is unmounted,
+    then the filesystem (lazily if that fails) and the image removed; when the test passed, both
+    unmounts must have gone cleanly."""
+    disk = mount.new_dir(name)
+    problems, u = [], None
     try:
+        for argv in make(disk):
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, f"{' '.join(argv)}: {r.stderr}"
+        yield disk
+    finally:
+        problems = [p for mm in list(mount.mounts)
+                    if mm.cache_dir and (mm.cache_dir == disk or mm.cache_dir.startswith(disk + os.sep))
+                    for p in mount.unmount(mm)]
+        if os.path.ismount(disk):
+            u = subprocess.run(["umount", disk], capture_output=True, text=True, timeout=30)
+            if u.returncode != 0:
+                subprocess.run(["umount", "-l", disk], capture_output=True, timeout=30)
+        if os.path.exists(disk + ".img"):
+            os.unlink(disk + ".img")
+    assert problems == []
+    assert u is not None and u.returncode == 0, f"umount of {disk}: {u and u.stderr}"
+
+
+def test_full_cache_disk_degrades_to_streaming(mount, corpus):
+    tmpfs = lambda d: [["mount", "-t", "tmpfs", "-o", "size=2M,mode=0700", "tmpfs", d]]
+    with small_disk(mount, "tinyfs", tmpfs) as small:
         m = mount(BUCKET, cache_dir=small)
         got = read_file(m.p(corpus.BIG))
         assert len(got) == corpus.BIG_SIZE
@@ -556,14 +582,6 @@ def test_full_cache_disk_degrades_to_streaming(mount, corpus):
         # writes left on it is let go when the files are closed, so the disk's use at the end
         # says nothing: test_allocation_that_runs_out_of_disk_is_let_go_at_close.)
         assert "block cache paused" in m.stderr(), "no cache write failed on the 2 MiB disk: never full?"
-    finally:
-        problems = [p for mm in list(mount.mounts) if mm.cache_dir == small
-                    for p in mount.unmount(mm)]
-        u = subprocess.run(["umount", small], capture_output=True, text=True, timeout=30)
-        if u.returncode != 0:
-            subprocess.run(["umount", "-l", small], capture_output=True, timeout=30)
-    assert problems == []
-    assert u.returncode == 0, f"umount of the tmpfs: {u.stderr}"
 
 
 FILL = "fill/random-64MiB.bin"
@@ -579,42 +597,25 @@ def test_allocation_that_runs_out_of_disk_is_let_go_at_close(mount, emulator):
     emulator.create_bucket(CB, exist_ok=True)
     body = random.Random(515).randbytes(64 * MiB)
     assert int(emulator.upload(CB, FILL, body)["size"]) == len(body)
-    disk = mount.new_dir("ext4")
-    image = disk + ".img"
-    problems = []
-    try:
-        for argv in (["truncate", "-s", "56M", image], ["mkfs.ext4", "-q", "-F", "-m", "0", image],
-                     ["mount", "-o", "loop", image, disk]):
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-            assert r.returncode == 0, f"{' '.join(argv)}: {r.stderr}"
+    ext4 = lambda d: [["truncate", "-s", "56M", d + ".img"], ["mkfs.ext4", "-q", "-F", "-m", "0", d + ".img"],
+                      ["mount", "-o", "loop", d + ".img", d]]
+    with small_disk(mount, "ext4", ext4) as disk:
         cache_dir = os.path.join(disk, "cache")
         os.mkdir(cache_dir, 0o700)
         m = mount(CB, cache_dir=cache_dir, options=["cache_size=8G"])
         assert read_file(m.p(FILL)) == body, "bytes differ on a cache disk that fills"
         st = os.statvfs(disk)
         assert st.f_bavail * st.f_frsize < 8 * MiB, "the cache disk never filled: nothing tested"
-        problems += mount.unmount(m)     # every cache file closed
+        assert mount.unmount(m) == []     # every cache file closed
         held = cache_allocated(cache_dir)
         again = mount(CB, cache_dir=cache_dir, options=["cache_size=8G"])
         cached = int(os.getxattr(again.p(FILL), "user.storefs.cached"))
-        problems += mount.unmount(again)
+        assert mount.unmount(again) == []
         assert cached > 0, "nothing was cached"
         # Blocks (4 KiB-rounded 16 KiB blocks: their bytes), the header and the index.
         index = 64 * MiB // (16 * KiB) * 8
         assert held <= cached + index + 256 * KiB, \
             f"after close the cache held {held} bytes of disk for {cached} bytes of blocks"
-    finally:
-        problems += [p for mm in list(mount.mounts) if mm.cache_dir and mm.cache_dir.startswith(disk)
-                     for p in mount.unmount(mm)]
-        u = None
-        if os.path.ismount(disk):
-            u = subprocess.run(["umount", disk], capture_output=True, text=True, timeout=30)
-            if u.returncode != 0:
-                subprocess.run(["umount", "-l", disk], capture_output=True, timeout=30)
-        if os.path.exists(image):
-            os.unlink(image)
-    assert problems == []
-    assert u is not None and u.returncode == 0, f"umount of the loop ext4: {u and u.stderr}"
 
 
 def test_cache_writes_keep_up_reads_every_byte_and_caches_behind_the_reader(mount, proxy, cdata):
