@@ -69,14 +69,15 @@ class SystemRun:
     def last(self, key):
         return self.res[key][self.system][-1]
 
-    def step(self, name: str, fn) -> None:
-        """Run one phase; a failure is logged and listed, a mount failure ends this system's run."""
+    def step(self, name: str, fn, link_label: str | None = None) -> None:
+        """Run one phase; a failure is logged and listed, a mount failure ends this system's run.
+        With --link, what it cost on the wire is recorded under `link_label` (else `name`)."""
         if self.system in self.ctx.dead:
             return
         try:
             self._link_reset()
             fn()
-            self._link_record(name)
+            self._link_record(link_label or name)
         except MountError as exc:
             msg = f"run {self.run_i + 1} {self.system} {name}: {exc} -- {self.system} skipped from here on"
             log("ERROR " + msg)
@@ -92,10 +93,18 @@ class SystemRun:
             self.link.reset_stats()
 
     def _link_record(self, phase: str) -> None:
-        """With --link: what the phase cost on the wire (the proxy's request/connection counts)."""
+        """With --link: what the phase cost on the wire (the proxy's request/connection counts).
+        A part that sent no request at all (the floor has no cached pass) is not recorded."""
         if self.link is not None:
             stats = self.link.stats()
-            self.put_extra(f"link_stats:{phase}", {k: v for k, v in stats.items() if k != "per_request"})
+            if stats.get("requests", 0) or stats.get("bytes", 0):
+                self.put_extra(f"link_stats:{phase}", {k: v for k, v in stats.items() if k != "per_request"})
+
+    def link_checkpoint(self, label: str) -> None:
+        """With --link: records what the phase cost on the wire so far under `label`, and counts
+        afresh from here (a phase whose parts are worth reading apart)."""
+        self._link_record(label)
+        self._link_reset()
 
     def fresh_cache(self) -> str:
         return self.ctx.new_cache_dir(self.system)
@@ -164,6 +173,8 @@ def random_phase(sr: SystemRun) -> None:
                 sr.put_extra("server_mib_sent_cold_random", (w1 - w0) / MIB)
             sr.put("rand_cold_p50", p50)
             sr.put("rand_cold_p99", p99)
+            # The cold reads' own cost on the wire, apart from the whole-file read below.
+            sr.link_checkpoint("random, cold reads")
             if sr.cacheless:
                 log(f"  {sr.system} random 4K cold p50/p99 {p50:.0f}/{p99:.0f} µs")
                 return
@@ -282,7 +293,7 @@ def measure_system(ctx: RunContext, system: str, run_i: int, res: dict, extra: d
     sr = SystemRun(ctx, system, run_i, res, extra, errors, link)
     tree = shlex.quote(os.path.join(ctx.mnt, "tree"))
     sr.step("sequential", lambda: sequential_phase(sr))
-    sr.step("random", lambda: random_phase(sr))
+    sr.step("random", lambda: random_phase(sr), link_label="random, the whole file read, then cached reads")
     sr.step("parallel readers", lambda: parallel_phase(sr, READERS, "par8", "machine_busy_pct_par8"))
     if link is not None:
         sr.step(f"{LINK_READERS} readers", lambda: parallel_phase(sr, LINK_READERS, "par4", None))
