@@ -546,7 +546,7 @@ def small_disk(mount, name: str, make):
     then the filesystem (lazily if that fails) and the image removed; when the test passed, both
     unmounts must have gone cleanly."""
     disk = mount.new_dir(name)
-    problems, u = [], None
+    u = None
     try:
         for argv in make(disk):
             r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
