@@ -55,10 +55,11 @@ import StorageClient
         }
     }
 
-    /// `user.storefs.cached` counts every byte a read was served, though a reader's own
-    /// download has its cache copy written after the reply (here 0.3 s after, as a busy
-    /// thread would): the attribute waits for that copy (`BlockReader.awaitCacheCopies`).
-    @Test func theCachedAttributeCountsABytesCacheCopyStillBeingWritten() throws {
+    /// `user.storefs.cached` answers from what the cache holds now, on the FUSE thread that
+    /// asks, never waiting for a cache copy still being written (docs/security.md, "Local
+    /// users on an allow_other mount"): a reader's own download has its copy written after the
+    /// reply (here 0.3 s after, as a busy thread would), and the count follows once it is.
+    @Test func theCachedAttributeAnswersAtOnceAndCountsTheCopyOnceWritten() throws {
         store.put("f", pattern(100_000, seed: 3), crc32c: true)
         let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
         let reader = BlockReader(store: store, cache: cache, endpoint: "e",
@@ -71,13 +72,26 @@ import StorageClient
         let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: 0, into: $0, isCancelled: { false }, afterReply: afterReply) }
         #expect(n == 100_000)
         fs.release(handle)  // `cat` closes the file before `getfattr` asks
-        let t0 = monotonicNow()
         let copy = Thread { usleep(300_000); afterReply.run() }
         copy.start()
+        let t0 = monotonicNow()
+        let early = try fs.extendedAttribute(f.inode, name: "user.storefs.cached")
+        #expect(monotonicNow() - t0 < 0.1)
+        #expect(Int(String(decoding: early, as: UTF8.self))! < 100_000)
+        while !copy.isFinished { usleep(1000) }
         let cached = try fs.extendedAttribute(f.inode, name: "user.storefs.cached")
         #expect(String(decoding: cached, as: UTF8.self) == "100000")
-        #expect(monotonicNow() - t0 >= 0.25)
-        while !copy.isFinished { usleep(1000) }
+    }
+
+    @Test func theCachedAttributeIsTheMountingUsersAndRootsOnly() throws {
+        store.put("f", [1, 2, 3])
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: ""),
+                            config: .init(downloadURL: DownloadURL(ownerUID: 1000)))
+        let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        #expect(throws: FilesystemError.self) { _ = try fs.extendedAttribute(f.inode, name: "user.storefs.cached", requester: 1001) }
+        #expect(!(try fs.extendedAttributeNames(f.inode, requester: 1001)).contains("user.storefs.cached"))
+        #expect(try fs.extendedAttribute(f.inode, name: "user.storefs.cached", requester: 1000) == Array("0".utf8))
+        #expect(try fs.extendedAttributeNames(f.inode, requester: 0).contains("user.storefs.cached"))
     }
 
     @Test func readdirListsEveryPageOnceAndLookupsThenCostNothing() throws {

@@ -222,17 +222,41 @@ def test_stats_count_errors_by_errno(mount, obucket):
 
 def test_stats_are_the_mounting_users_only(mount, obucket):
     m = mount(OPS, options=["allow_other"])
+    os.chmod(mount.tmp, 0o711)   # nobody may pass through to the mount, or EACCES proves nothing
 
     def as_nobody():
         os.setgid(65534)
         os.setuid(65534)
 
     probe = ("import os,errno\n"
+             "os.stat(%r)\n"
              "try:\n os.getxattr(%r,'user.storefs.stats'); print('read')\n"
-             "except OSError as e: print(errno.errorcode[e.errno])\n" % m.path)
+             "except OSError as e: print(errno.errorcode[e.errno])\n" % (m.path, m.path))
     r = subprocess.run(["python3", "-c", probe], capture_output=True, text=True, preexec_fn=as_nobody, timeout=30)
     assert r.stdout.strip() == "EACCES", (r.stdout, r.stderr)
     assert "cache" in stats(m.path)
+
+
+def test_cached_attribute_is_the_mounting_users_only(mount, obucket):
+    """What was just read tells what another user reads: like stats, `cached` is the mounting
+    user's and root's (issue 43, item 5)."""
+    m = mount(OPS, options=["allow_other"])
+    os.chmod(mount.tmp, 0o711)   # nobody may pass through to the mount, or EACCES proves nothing
+    path = m.p("stats/partial.bin")
+
+    def as_nobody():
+        os.setgid(65534)
+        os.setuid(65534)
+
+    probe = ("import os,errno\n"
+             "assert open(%r,'rb').read(1)\n"
+             "try:\n os.getxattr(%r,'user.storefs.cached'); print('read')\n"
+             "except OSError as e: print(errno.errorcode[e.errno])\n"
+             "print('listed' if 'user.storefs.cached' in os.listxattr(%r) else 'hidden')\n" % (path, path, path))
+    r = subprocess.run(["python3", "-c", probe], capture_output=True, text=True, preexec_fn=as_nobody, timeout=30)
+    assert r.stdout.split() == ["EACCES", "hidden"], (r.stdout, r.stderr)
+    assert int(os.getxattr(path, "user.storefs.cached")) > 0   # nobody's read, told to root
+    assert "user.storefs.cached" in os.listxattr(path)
 
 
 # ---------------------------------------------------------------- metrics
