@@ -193,12 +193,14 @@ enum StorefsMain {
             return fail(error.message)
         }
         var metrics: MetricsServer? = nil
-        if let host = o.metricsHost {
+        if let address = o.metrics {
             do throws(MetricsServer.Refused) {
-                metrics = try MetricsServer(host: host, port: o.metricsPort)
+                metrics = try MetricsServer(address)
             } catch {
                 return fail(error.message)
             }
+            // A taken port does not keep the mount down (a restart racing another process for it).
+            if let problem = metrics?.bindProblem { Log.warn(problem) }
         }
         let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead ?? o.memoryLimit,
