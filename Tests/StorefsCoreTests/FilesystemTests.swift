@@ -94,6 +94,36 @@ import StorageClient
         #expect(try fs.extendedAttributeNames(f.inode, requester: 0).contains("user.storefs.cached"))
     }
 
+    /// One directory is bounded, and so is the sum of the listings being fetched at once: the
+    /// 64 metadata and 4 list-ahead threads could each hold a huge directory (issue 43, item 10).
+    @Test func listingsFetchedAtOnceAreBoundedTogether() throws {
+        let store = MemoryStore(pageSize: 10)
+        for d in 0..<3 { for i in 0..<100 { store.put("d\(d)/f\(String(format: "%03d", i))", [1]) } }
+        store.delayAll(0.02)  // each page takes a while: the three listings overlap
+        var config = Filesystem.Config()
+        config.listingEntriesInFlightLimit = 150
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: ""), config: config)
+        let failures = Mutex([String]())
+        let threads = (0..<3).map { d in
+            Thread {
+                do throws(FilesystemError) {
+                    _ = try fs.fullListing("d\(d)")
+                } catch {
+                    failures.withLock { $0.append(error.message) }
+                }
+            }
+        }
+        threads.forEach { $0.start() }
+        while threads.contains(where: { !$0.isFinished }) { usleep(2000) }
+        let messages = failures.withLock { $0 }
+        #expect(!messages.isEmpty && messages.allSatisfy { $0.contains("listings being fetched at once hold more than 150 entries") })
+        #expect(fs.listingEntriesInFlight.load(ordering: .relaxed) == 0)
+        // Alone, a directory under the bound lists whole.
+        store.delayAll(0)
+        let failed = try #require(messages.first.flatMap { m in (0..<3).first { m.contains("d\($0)/") } })
+        #expect(try fs.fullListing("d\(failed)").names.count == 100)
+    }
+
     @Test func readdirListsEveryPageOnceAndLookupsThenCostNothing() throws {
         for i in 0..<10 { store.put(String(format: "d/f%02d", i), [UInt8(i)]) }
         store.put("d/sub/x", [1])
