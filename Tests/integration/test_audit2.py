@@ -162,6 +162,23 @@ def test_prefetch_refuses_a_path_whose_link_leads_out_of_the_mount(mount, abucke
     assert f"could not fetch {m.p('out/link')}: not a file or directory inside a storefs mount" in r.stderr, r.stderr
 
 
+def test_prefetch_takes_the_mount_root_and_paths_relative_to_a_directory_inside(mount, abucket, storefs_bin):
+    """The walk starts at the mount's root whatever the argument's form: the root itself, or
+    a relative path from a working directory inside the mount."""
+    for n in ("forms/one.bin", "forms/deep/two.bin"):
+        abucket.upload(AB, n, os.urandom(300_000))
+    m = mount(AB, options=["cache_size=256M"])
+    r = run_storefs([storefs_bin, "prefetch", "deep/two.bin", "."], cwd=m.p("forms"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    # Every walk precedes the reads: deep/two.bin is listed by both arguments.
+    assert "3 of 3 files fetched" in r.stderr, r.stderr
+    assert int(os.getxattr(m.p("forms/one.bin"), "user.storefs.cached")) == 300_000
+    assert int(os.getxattr(m.p("forms/deep/two.bin"), "user.storefs.cached")) == 300_000
+    r = prefetch(storefs_bin, m.path)
+    assert r.returncode == 0, r.stderr
+    assert "could not fetch" not in r.stderr and "forms" not in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------- item 8: names on the terminal
 
 EVIL = "esc/evil\x1b]0;PWNED\x07\r\x1b[2Kname.bin"
