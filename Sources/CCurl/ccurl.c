@@ -8,6 +8,10 @@
 #include <stdio.h>
 #include <string.h>
 
+int ccurl_openssl_init_without_atexit(void) {
+    return OPENSSL_init_ssl(OPENSSL_INIT_NO_ATEXIT | OPENSSL_INIT_LOAD_SSL_STRINGS | OPENSSL_INIT_LOAD_CRYPTO_STRINGS, NULL);
+}
+
 static void openssl_reason(char *err, size_t errlen, const char *what) {
     unsigned long e = ERR_peek_last_error();
     char detail[256] = "no detail";

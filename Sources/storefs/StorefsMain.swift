@@ -9,6 +9,7 @@ enum StorefsMain {
     static let version = "0.1.0"
 
     static func run(_ argv: [String]) -> Int32 {
+        CurlGlobal.ensureInitialised()  // OpenSSL without its exit-time clean-up, before any use
         let env = ProcessInfoEnvironment.current()
         let command: MountOptions.Command
         do {

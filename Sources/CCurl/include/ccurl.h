@@ -20,6 +20,11 @@ static inline CURLcode ccurl_getinfo_double(CURL *h, CURLINFO i, double *v) { re
 static inline CURLcode ccurl_getinfo_str(CURL *h, CURLINFO i, char **v) { return curl_easy_getinfo(h, i, v); }
 /* CURL_GLOBAL_DEFAULT is a macro of macros; give Swift a plain value. */
 static inline long ccurl_global_default(void) { return CURL_GLOBAL_DEFAULT; }
+/* Initialises OpenSSL without its atexit clean-up, before anything else touches it: exit()
+ * would otherwise free OpenSSL's state while a worker thread is still in a TLS handshake,
+ * which then crashes (a daemon that never ended after an unmount). The process's memory
+ * goes back to the system at exit anyway. Returns 1 on success. */
+int ccurl_openssl_init_without_atexit(void);
 
 /* ---- Trust store: one OpenSSL X509_STORE per process, shared by every connection. ----
  * OpenSSL 3 takes ~20 ms of CPU to parse the system bundle (139 certificates), and libcurl

@@ -20,14 +20,18 @@ final class CurlEasy {
     deinit { curl_easy_cleanup(handle) }
 }
 
-/// `curl_global_init` must run once, before any other thread uses libcurl.
-enum CurlGlobal {
+/// `curl_global_init` must run once, before any other thread uses libcurl; OpenSSL is
+/// initialised first, without its exit-time clean-up (ccurl.h says why).
+public enum CurlGlobal {
     private static let initialised: Bool = {
+        _ = ccurl_openssl_init_without_atexit()
         curl_global_init(ccurl_global_default())
         return true
     }()
 
-    static func ensureInitialised() { _ = initialised }
+    /// Call before anything else uses OpenSSL (the trust store, signing keys): the process's
+    /// first step.
+    public static func ensureInitialised() { _ = initialised }
 }
 
 /// Per-request state that libcurl's C callbacks reach through their userdata pointer.

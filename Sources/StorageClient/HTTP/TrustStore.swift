@@ -40,6 +40,7 @@ public final class TrustStore: @unchecked Sendable {
 
     /// Every certificate of the PEM file at `path`; `name` says in errors where the path came from.
     public static func load(file path: String, named name: String) throws(StorageError) -> TrustStore {
+        CurlGlobal.ensureInitialised()
         var st = stat()
         guard stat(path, &st) == 0 else {
             let reason = String(cString: strerror(errno))
