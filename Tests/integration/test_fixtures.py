@@ -7,6 +7,7 @@ import json
 import urllib.error
 import urllib.request
 
+import tls_fixture
 from gcs_emulator import quote_name
 from storefs_testlib import BUCKET, FORBIDDEN_BODY, classify
 
@@ -14,7 +15,7 @@ from storefs_testlib import BUCKET, FORBIDDEN_BODY, classify
 def _get(url, headers=None):
     req = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=tls_fixture.client_context()) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
