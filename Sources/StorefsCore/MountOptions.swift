@@ -34,6 +34,10 @@ public struct MountOptions: Sendable, Equatable {
     public var email: String?
     public var passwordFile: String?
     public var authEndpoint: String?
+    /// `ca_file=`: a PEM bundle trusted instead of the system store (`TrustStore`).
+    public var caFile: String?
+    /// `http_version=`: over https, HTTP/1.1 (default, measured: docs/experiments.md) or HTTP/2.
+    public var httpVersion = HTTPVersion.http1_1
     public var urlAccess = DownloadURL.Access.owner
     public var urlExpiry = 3600
     public var cacheDir: String?
@@ -133,6 +137,10 @@ public struct MountOptions: Sendable, Equatable {
                              then gcloud's application-default file, then the metadata server)
           -o api_key=KEY     Firebase Web API key: sign in anonymously, or with email=ADDR,password_file=FILE
           -o auth_endpoint=URL origin of the token services (emulators, tests)
+          -o ca_file=FILE    PEM bundle of the CA certificates https is verified against, instead of the
+                             system store (default: CURL_CA_BUNDLE or SSL_CERT_FILE if set, else the system
+                             store); verification of the certificate and host name is always on
+          -o http_version=V  HTTP version over https: 1.1 (default) or 2 (offered by ALPN)
           -o url_xattr=W     who may read user.storefs.download_url: owner (default), all, off
           -o url_expiry=S    lifetime of signed download URLs in seconds (default 3600, at most 604800)
           -o cache_dir=DIR   block cache directory (default $XDG_CACHE_HOME/storefs, /var/cache/storefs for root)
@@ -245,6 +253,9 @@ public struct MountOptions: Sendable, Equatable {
             case "email": o.email = try require(key, value)
             case "password_file": o.passwordFile = try require(key, value)
             case "auth_endpoint": o.authEndpoint = try url(key, value)
+            case "ca_file": o.caFile = try require(key, value)
+            case "http_version":
+                o.httpVersion = try choice(key, value, "1.1 or 2") { ["1.1": .http1_1, "2": .http2, "2.0": .http2][$0] }
             case "url_xattr":
                 o.urlAccess = try choice(key, value, "owner, all or off") { DownloadURL.Access(rawValue: $0.lowercased()) }
             case "url_expiry":

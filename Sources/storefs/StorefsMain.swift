@@ -117,8 +117,15 @@ enum StorefsMain {
         }
 
         let env = ProcessInfoEnvironment.current()
+        let trust: TrustStore?
+        do {
+            trust = try TrustStore.chosen(caFile: o.caFile.map(absolute), environment: env)
+        } catch {
+            return fail(error.message)
+        }
+        if let trust { Log.debug("tls trust=\"\(trust.summary)\" http_version=\(o.httpVersion.rawValue)") }
         let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
-                              userAgent: "storefs/\(version)")
+                              userAgent: "storefs/\(version)", httpVersion: o.httpVersion, trust: trust)
         let retry = RetryPolicy(budget: o.requestTimeout)
         AuthLog.authSink = { message in Log.debug(message) }
         let store: ObjectStore
