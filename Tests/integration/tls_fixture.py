@@ -22,6 +22,7 @@ servers here:
   (`offers`), then splices the bytes unchanged to a real TLS server.
 - `RecordingTLSServer`: TLS with any certificate; records every decrypted request line and
   header block it receives (`requests`) and handshake failures (`handshake_errors`).
+- `ConnectionCounter`: a plain TCP port that counts connections (a redirect target).
 
 Only the standard library and `cryptography` are used.
 """
@@ -523,3 +524,17 @@ class RecordingTLSServer(_Acceptor):
         finally:
             self.track(tls, False)
             tls.close()
+
+
+class ConnectionCounter(_Acceptor):
+    """A plain TCP listener that only counts connections (`connections`) and closes them: the
+    target of a redirect that must not be followed."""
+
+    thread_name = "connection-counter"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def serve(self, conn: socket.socket) -> None:
+        return
