@@ -19,6 +19,7 @@ import os
 import re
 import ssl
 import time
+import warnings
 
 import pytest
 
@@ -59,6 +60,8 @@ def _fails(manager, argv: list[str], mnt: str, *needles: str, code: int | None =
         f"stderr must be exactly one 'storefs: ' line, got {r.stderr!r}"
     for needle in needles:
         assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    if os.environ.get("STOREFS_TLS_SHOW"):
+        print(f"\n  exit {r.returncode}: {lines[0]}")
     assert not is_mounted(mnt), f"{mnt} is mounted although storefs failed"
     time.sleep(0.1)
     assert [p for p in pids_with_arg(mnt) if pid_alive(p)] == [], "a storefs process lingers"
@@ -124,7 +127,9 @@ def test_https_to_a_plain_http_port_is_a_handshake_failure_not_retried(mount, em
 
 def test_a_server_speaking_only_tls_1_1_is_a_handshake_failure(mount, emulator, request):
     """libcurl and OpenSSL 3 refuse TLS < 1.2: no common version, no session."""
-    ctx = tls_fixture.session().server_context("server", maximum=ssl.TLSVersion.TLSv1_1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # TLS 1.1 is the point here
+        ctx = tls_fixture.session().server_context("server", maximum=ssl.TLSVersion.TLSv1_1)
     ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
     f = TLSFront(emulator.http_endpoint, ctx).start()
     request.addfinalizer(f.stop)
@@ -155,8 +160,9 @@ def test_ca_file_without_a_pem_certificate(mount, front, tmp_path, what):
 
 
 def test_ca_file_that_is_a_directory(mount, front, tmp_path):
+    """The contract names missing and unparsable files; a directory is said as such."""
     path = str(tmp_path)
-    _mount_fails(mount, front.https_url, f"ca_file={path}", "cannot read it", ca_file=path,
+    _mount_fails(mount, front.https_url, f"ca_file={path}", "is not a regular file", ca_file=path,
                  code=None)
     assert front.connections == 0
 
