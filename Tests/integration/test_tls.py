@@ -351,3 +351,16 @@ def test_a_certificate_gone_bad_during_the_mount_is_eio_and_the_cache_still_serv
     assert len(front.handshake_errors) > before, "storefs never reconnected to the front"
     assert read_whole(m.p(HELLO)) == corpus.data[HELLO], "cached bytes must still be served"
     assert "is not signed by a CA storefs trusts" in m.stderr(), m.stderr()[-2000:]
+
+
+# ---------------------------------------------------------------- plain http (unchanged rules)
+def test_credentials_over_plain_http_go_to_loopback_only(bare_mount, emulator, corpus, tmp_path):
+    """Plain-http behaviour on purpose: a token over http:// is refused for a remote host
+    before any connection, and allowed to this machine (the emulator's plain port)."""
+    tf, token = _token_file(tmp_path)
+    line = _bare_fails(bare_mount, f"http://{tls_fixture.OTHER_HOST}:8080",
+                       "refusing to send credentials over plain http", options=[f"token_file={tf}"],
+                       code=None)
+    assert token not in line
+    m = bare_mount(BUCKET, endpoint=emulator.http_endpoint, options=[f"token_file={tf}"])
+    assert read_whole(m.p(HELLO)) == corpus.data[HELLO]
