@@ -88,9 +88,9 @@ public struct MountOptions: Sendable, Equatable {
     /// and how they are written.
     public var logFile: String?
     public var logFormat = LogFormat.text
-    /// `metrics=HOST:PORT`: Prometheus text at /metrics; loopback only unless `metricsBindAny`.
-    public var metricsHost: String?
-    public var metricsPort = 0
+    /// `metrics=HOST:PORT` or `metrics=unix:PATH`: Prometheus text at /metrics; a TCP address
+    /// is loopback only unless `metricsBindAny`.
+    public var metrics: MetricsServer.Address?
     public var metricsBindAny = false
     /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
     public var fuseOptions: [String] = []
@@ -174,7 +174,8 @@ public struct MountOptions: Sendable, Equatable {
           -o log_file=PATH   append log lines to PATH (reopened on SIGHUP) instead of syslog
           -o log_format=F    text (default: ts=… level=… msg=… key=value) or json (one object per line)
           -o metrics=ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics (loopback only unless
-                             metrics_bind_any is given)
+                             metrics_bind_any is given; every local user can scrape it), or
+             metrics=unix:PATH  on a unix socket of mode 0660 (the mounting user and its group)
           -o noexec,nosuid,nodev / exec,suid,dev  kernel mount flags (default exec,nosuid,nodev)
           -o nonempty        mount over a non-empty directory (hiding its contents)
         mount(8) options such as rw, ro, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
@@ -302,7 +303,17 @@ public struct MountOptions: Sendable, Equatable {
             case "log_file": o.logFile = try require(key, value)
             case "log_format":
                 o.logFormat = try choice(key, value, "text or json") { LogFormat(rawValue: $0.lowercased()) }
-            case "metrics": (o.metricsHost, o.metricsPort) = try hostPort(key, value)
+            case "metrics":
+                if let v = value, v.hasPrefix("unix:") {
+                    let path = String(v.dropFirst(5))
+                    guard path.hasPrefix("/") else {
+                        throw ParseError(message: "metrics=\(v): give the socket's absolute path, e.g. metrics=unix:/run/storefs/metrics.sock")
+                    }
+                    o.metrics = .unix(path: path)
+                } else {
+                    let (host, port) = try hostPort(key, value)
+                    o.metrics = .tcp(host: host, port: port)
+                }
             case "metrics_bind_any": try flag(key, value); o.metricsBindAny = true
             case _ where forwardedFlags.contains(key) && value == nil:
                 if key == "allow_other" { o.allowOther = true }
@@ -335,8 +346,8 @@ public struct MountOptions: Sendable, Equatable {
         if o.email != nil && o.apiKey == nil {
             throw ParseError(message: "email= sign-in needs the project's Web API key: add api_key=KEY")
         }
-        if let host = o.metricsHost, !o.metricsBindAny, !isLoopbackHost(host) {
-            throw ParseError(message: "metrics=\(host):\(o.metricsPort) would serve metrics beyond this machine: use 127.0.0.1, or add metrics_bind_any if that is meant")
+        if case .tcp(let host, let port)? = o.metrics, !o.metricsBindAny, !isLoopbackHost(host) {
+            throw ParseError(message: "metrics=\(host):\(port) would serve metrics beyond this machine: use 127.0.0.1, or add metrics_bind_any if that is meant")
         }
         if o.apiKey != nil && o.storageProtocol != .firebase {
             throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")

@@ -111,6 +111,33 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(!(try #require(again.acquire(endpoint: "f", meta: meta))).isCached(0))
     }
 
+    /// Open files do not decide how many descriptors the cache holds: past `maxOpenFiles`,
+    /// idle files let theirs go and open again at their next use (issue 43, item 3).
+    @Test func openFilesBeyondTheBoundLetTheirDescriptorsGoAndStillServeTheirBlocks() throws {
+        func openDescriptors() -> Int { (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd").count) ?? 0 }
+        let cache = try BlockCache(directory: dir, capacity: 16 << 20, blockSize: 4096, maxOpenFiles: 4)
+        let before = openDescriptors()
+        var objects: [CachedObject] = []
+        for i in 0..<40 {
+            var m = meta
+            m.name = "f\(i)"
+            let o = try #require(cache.acquire(endpoint: "e", meta: m))
+            storeAll(o, pattern(10_000, seed: UInt8(i)))
+            objects.append(o)  // held open, as 40 open file handles hold them
+        }
+        #expect(cache.openFileCount <= 4)
+        // Two descriptors a file (buffered and direct) at most, and the bound is kept: 40 files
+        // held open would have held 80.
+        #expect(openDescriptors() - before <= 2 * 4 + 2)
+        for (i, o) in objects.enumerated() {
+            #expect(readBack(o, block: 1, count: 4096) == Array(pattern(10_000, seed: UInt8(i))[4096..<8192]))
+        }
+        #expect(cache.openFileCount <= 4)
+        for o in objects { cache.release(o) }
+        #expect(cache.openFileCount == 0)
+        #expect(openDescriptors() <= before)
+    }
+
     @Test func corruptedBlockIsNeverServed() throws {
         let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))

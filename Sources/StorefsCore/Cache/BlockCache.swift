@@ -41,13 +41,24 @@ public final class BlockCache: Sendable {
     }
 
     private let state = Mutex(State())
+    /// Objects whose cache file is open now, and how many may be: other users of an
+    /// `allow_other` mount choose how many files are open, so the open count does not decide
+    /// the descriptor count. Past `maxOpenFiles`, the least recently used files that no
+    /// operation is using let their descriptors go; they are opened again on their next use
+    /// (docs/security.md, "Local users on an allow_other mount"). Never held while an object's
+    /// lock is taken.
+    private let openFiles = Mutex([ObjectIdentifier: CachedObject]())
+    let maxOpenFiles: Int
     private let creating = NSLock()
     private let clock = Atomic<UInt64>(1)
     static let degradedSeconds = 30.0
 
     /// Opens (creating with mode 0700) the cache directory and loads what earlier mounts left.
     /// A directory another user could have made or changed is refused (CacheDirectory).
-    public init(directory: String, capacity: Int64, blockSize: Int, directWrites: Bool = true) throws(FilesystemError) {
+    /// `maxOpenFiles` nil: an eighth of the open-file limit (each holds two descriptors), 16 to 4096.
+    public init(directory: String, capacity: Int64, blockSize: Int, directWrites: Bool = true,
+                maxOpenFiles: Int? = nil) throws(FilesystemError) {
+        self.maxOpenFiles = maxOpenFiles ?? Self.defaultMaxOpenFiles()
         self.directory = directory
         self.directWrites = directWrites
         self.capacity = capacity
@@ -79,6 +90,36 @@ public final class BlockCache: Sendable {
     }
 
     private let directRefused = Atomic<Bool>(false)
+
+    static func defaultMaxOpenFiles() -> Int {
+        var limit = rlimit()
+        guard getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 128 }
+        return max(16, min(4096, Int(min(limit.rlim_cur, 1 << 30)) / 8))
+    }
+
+    /// Cache files open now (tests).
+    var openFileCount: Int { openFiles.withLock { $0.count } }
+
+    /// `object` opened its file: past `maxOpenFiles`, the least recently used idle ones close
+    /// theirs. Called with no lock held.
+    func noteOpened(_ object: CachedObject) {
+        let over = openFiles.withLock { held -> [CachedObject]? in
+            held[ObjectIdentifier(object)] = object
+            return held.count > maxOpenFiles ? Array(held.values) : nil
+        }
+        guard let candidates = over else { return }
+        let excess = candidates.count - maxOpenFiles * 7 / 8
+        var closed = 0
+        for o in candidates.sorted(by: { $0.lastUse < $1.lastUse }) where o !== object {
+            if closed >= excess { break }
+            if o.closeIfIdle() { closed += 1 }
+        }
+    }
+
+    /// `object` closed its file.
+    func noteClosed(_ object: CachedObject) {
+        _ = openFiles.withLock { $0.removeValue(forKey: ObjectIdentifier(object)) }
+    }
 
     /// Says once per mount that the cache's filesystem turned O_DIRECT down.
     func noteNoDirectWrites() {
@@ -333,8 +374,14 @@ public final class BlockCache: Sendable {
 
     private func create(format: CacheFileFormat, hex: String) -> CachedObject? {
         var made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
-        if made.error != nil, recoverIfRemovedHoldingCreator() {
+        if made.error != nil, !made.outOfDescriptors, recoverIfRemovedHoldingCreator() {
             made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
+        }
+        if let why = made.error, made.outOfDescriptors {
+            // One reader holding many files open must not pause the cache for everyone: this
+            // object is read uncached, the others keep their cache (issue 43, item 3).
+            Log.warn("cache: no file descriptor to spare, a file is read uncached", ["error": why])
+            return nil
         }
         if let why = made.error {
             degrade(why)
@@ -420,6 +467,9 @@ final class CachedObject: Sendable {
         /// open until the file is closed, as writers may be using it).
         var directRefused = false
         var users = 0
+        /// Operations using `fd`/`directFD` outside this lock (`withFile`): while any is, the
+        /// descriptors stay open.
+        var active = 0
         /// The object's own CRC32C, once an open told it (the file does not keep it).
         var expected: UInt32?
         /// Every block was there and their combined CRC32C matched `expected`.
@@ -525,18 +575,14 @@ final class CachedObject: Sendable {
     /// A file closed meanwhile keeps them in memory only: those blocks read as absent after a
     /// remount, as after a crash.
     private func commitLeftSets() {
-        let direct = state.withLock { s -> Int32 in
-            guard s.setsWritten < s.setsMade, s.users > 0, s.fd >= 0, !s.directRefused, s.directFD >= 0 else { return -1 }
-            s.users += 1
-            return s.directFD
-        }
-        guard direct >= 0 else { return }
-        let failure = commitIndex(direct: direct, own: nil)
+        guard state.withLock({ $0.setsWritten < $0.setsMade && $0.users > 0 && !$0.directRefused }) else { return }
+        let failure = withFile { _, direct -> Int32 in
+            direct >= 0 ? commitIndex(direct: direct, own: nil) : 0
+        } ?? 0
         // EINVAL: the device refused the alignment; the entries stay marked for the next store.
         if failure != 0, failure != EINVAL {
             cache.degrade("cannot write a cache index entry: \(String(cString: strerror(failure)))")
         }
-        close()
     }
 
     /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
@@ -595,39 +641,133 @@ final class CachedObject: Sendable {
 
     func setTicks(_ t: UInt64) { state.withLock { $0.index.setAllTicks(t) } }
 
+    /// A user (an open file handle, a cache copy being written) holds the object. The file is
+    /// opened here the first time in this mount (to trim what a killed daemon left allocated,
+    /// `trimAllocation`), otherwise at its next use (`withFile`).
     func open() {
-        state.withLock { s in
+        let opened = state.withLock { s -> Bool in
             s.users += 1
-            if s.fd < 0 {
-                s.fd = cache.files.openFile(hex) ?? -1
-                if s.fd >= 0, cache.directWrites {
-                    s.directFD = DirectWrites.reopen(s.fd) ?? -1
-                    if s.directFD < 0 { cache.noteNoDirectWrites() }
-                }
-                if s.fd >= 0, !s.allocationChecked {
-                    s.allocationChecked = true
-                    trimAllocation(&s)
-                }
+            guard !s.allocationChecked else { return false }
+            s.allocationChecked = true
+            if s.fd >= 0 {
+                trimAllocation(&s)
+                return false
             }
+            s.fd = cache.files.openFile(hex) ?? -1
+            guard s.fd >= 0 else { return false }
+            if cache.directWrites {
+                s.directFD = DirectWrites.reopen(s.fd) ?? -1
+                if s.directFD < 0 { cache.noteNoDirectWrites() }
+            }
+            trimAllocation(&s)
+            return true
+        }
+        if opened {
+            lastUsed.store(cache.tick(), ordering: .relaxed)
+            cache.noteOpened(self)
         }
     }
 
     func close() {
-        state.withLock { s in
+        let closed = state.withLock { s -> Bool in
             s.users -= 1
-            if s.users == 0 && s.fd >= 0 {
-                // Nobody writes it now (a cache copy keeps the file open): what the chunks
-                // allocated ahead hold beyond the blocks written goes.
-                for c in s.allocatedChunks { punchAbsent(&s, in: chunkBlocks(c)) }
+            guard s.users == 0 else { return false }
+            // Nobody writes it now (a cache copy keeps it in use): what the chunks allocated
+            // ahead hold beyond the blocks written goes.
+            if !s.allocatedChunks.isEmpty || s.fd >= 0 {
+                let temporary = s.fd < 0
+                if temporary { s.fd = cache.files.openFile(hex) ?? -1 }
+                if s.fd >= 0 {
+                    for c in s.allocatedChunks { punchAbsent(&s, in: chunkBlocks(c)) }
+                    futimens(s.fd, nil)  // the file's mtime is its recency for the next mount's LRU
+                }
                 s.allocatedChunks.removeAll()
-                futimens(s.fd, nil)  // the file's mtime is its recency for the next mount's LRU
-                Glibc.close(s.fd)
-                s.fd = -1
-                if s.directFD >= 0 { Glibc.close(s.directFD) }
-                s.directFD = -1
+            }
+            // An operation still using the descriptors (its caller let its user go early)
+            // closes them when it ends (`withFile`).
+            guard s.active == 0 else { return false }
+            let wasOpen = s.fd >= 0
+            closeDescriptors(&s)
+            s.directRefused = false
+            return wasOpen
+        }
+        if closed { cache.noteClosed(self) }
+    }
+
+    /// Recency among open files, for letting descriptors go (`BlockCache.noteOpened`).
+    var lastUse: UInt64 { lastUsed.load(ordering: .relaxed) }
+    private let lastUsed = Atomic<UInt64>(0)
+
+    private func closeDescriptors(_ s: inout State) {
+        if s.fd >= 0 { Glibc.close(s.fd) }
+        s.fd = -1
+        if s.directFD >= 0 { Glibc.close(s.directFD) }
+        s.directFD = -1
+    }
+
+    /// Lets the descriptors go if no operation is using them (the file stays in use: its next
+    /// operation opens it again). True if it closed them.
+    func closeIfIdle() -> Bool {
+        let closed = state.withLock { s -> Bool in
+            guard s.active == 0, s.fd >= 0 else { return false }
+            closeDescriptors(&s)
+            return true
+        }
+        if closed { cache.noteClosed(self) }
+        return closed
+    }
+
+    /// Runs `body` with the file's descriptors (buffered, and direct or -1), open for as long as
+    /// it runs; nil, without running it, when nobody holds the object (`open`) or the file
+    /// cannot be opened (no descriptor to spare, the file gone).
+    func withFile<T>(_ body: (_ fd: Int32, _ direct: Int32) -> T) -> T? {
+        lastUsed.store(cache.tick(), ordering: .relaxed)
+        let needsOpening = state.withLock { s -> Bool? in
+            guard s.users > 0 else { return nil }
+            s.active += 1
+            return s.fd < 0
+        }
+        guard let needsOpening else { return nil }
+        defer {
+            let closed = state.withLock { s -> Bool in
+                s.active -= 1
+                guard s.active == 0, s.users == 0, s.fd >= 0 else { return false }
+                closeDescriptors(&s)
                 s.directRefused = false
+                return true
+            }
+            if closed { cache.noteClosed(self) }
+        }
+        if needsOpening {
+            // Opened outside the lock (a system call that may wait for the disk), kept if no
+            // other use opened it meanwhile.
+            let fd = cache.files.openFile(hex) ?? -1
+            var direct: Int32 = -1
+            if fd >= 0, cache.directWrites {
+                direct = DirectWrites.reopen(fd) ?? -1
+                if direct < 0 { cache.noteNoDirectWrites() }
+            }
+            let installed = state.withLock { s -> Bool in
+                guard s.fd < 0, fd >= 0 else { return false }
+                s.fd = fd
+                s.directFD = s.directRefused ? -1 : direct
+                if s.directRefused, direct >= 0 { Glibc.close(direct) }
+                if !s.allocationChecked {
+                    s.allocationChecked = true
+                    trimAllocation(&s)
+                }
+                return true
+            }
+            if installed {
+                cache.noteOpened(self)
+            } else if fd >= 0 {
+                Glibc.close(fd)
+                if direct >= 0 { Glibc.close(direct) }
             }
         }
+        let (fd, direct) = state.withLock { ($0.fd, $0.directRefused ? -1 : $0.directFD) }
+        guard fd >= 0 else { return nil }
+        return body(fd, direct)
     }
 
     func isCached(_ block: Int) -> Bool { state.withLock { $0.index.isPresent(block) } }
@@ -654,11 +794,9 @@ final class CachedObject: Sendable {
     /// Asks the kernel to start reading these cached blocks from disk (a sequential reader is
     /// coming): the disk then streams ahead instead of being asked one request at a time.
     func willNeed(blocks: ClosedRange<Int>) {
-        let fd = state.withLock { $0.fd }
-        guard fd >= 0 else { return }
         let from = format.blockOffset(blocks.lowerBound)
         let to = format.blockOffset(blocks.upperBound) + Int64(format.blockLength(blocks.upperBound))
-        _ = posix_fadvise(fd, off_t(from), off_t(to - from), POSIX_FADV_WILLNEED)
+        _ = withFile { fd, _ in posix_fadvise(fd, off_t(from), off_t(to - from), POSIX_FADV_WILLNEED) }
     }
 
     /// Copies bytes `[offset, offset + dst.count)` of the object into `dst` with one disk read,
@@ -671,16 +809,23 @@ final class CachedObject: Sendable {
         let last = Int((offset + Int64(dst.count) - 1) / bs)
         let t = cache.tick()
         var crcs = [UInt32](repeating: 0, count: last - first + 1)
-        let fd = state.withLock { s -> Int32 in
+        let present = state.withLock { s -> Bool in
             for b in first...last {
                 let e = s.index[b]
-                if e.length == 0 { return -1 }
+                if e.length == 0 { return false }
                 crcs[b - first] = e.crc
                 s.index.touch(b, tick: t)
             }
-            return s.fd
+            return true
         }
-        guard fd >= 0 else { return false }
+        guard present else { return false }
+        return withFile { fd, _ in readVerified(fd: fd, at: offset, into: dst, first: first, last: last, crcs: crcs) } ?? false
+    }
+
+    /// `read`'s disk read and checks, with the file open.
+    private func readVerified(fd: Int32, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
+                              first: Int, last: Int, crcs: [UInt32]) -> Bool {
+        let bs = Int64(format.blockSize)
         let runStart = Int64(first) * bs
         let runLength = Int(min(format.objectSize, Int64(last + 1) * bs) - runStart)
         let direct = offset == runStart && dst.count == runLength
@@ -707,7 +852,12 @@ final class CachedObject: Sendable {
     /// each run of absent blocks with one data write and one index write (docs/architecture.md,
     /// "Cache writes").
     func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false) {
-        let serial = state.withLock { $0.directFD < 0 || $0.directRefused }
+        _ = withFile { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: direct) }
+    }
+
+    /// `store` with the file open: `direct` -1 where data goes through the page cache.
+    private func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool, fd: Int32, direct directFD: Int32) {
+        let serial = directFD < 0
         if serial { writing.lock() }
         defer { if serial { writing.unlock() } }
         // A file whose directory was deleted under the mount takes no more blocks: they could
@@ -745,11 +895,8 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
-            let (fd, direct) = state.withLock { ($0.fd, $0.directRefused ? -1 : $0.directFD) }
-            guard fd >= 0 else {
-                cache.unreserve(cost)  // nobody holds the file open any more: not a disk problem
-                return
-            }
+            // A direct write refused by an earlier run (EINVAL) goes buffered from then on.
+            let direct = state.withLock { $0.directRefused } ? -1 : directFD
             // Data first, then the index entries: a crash in between leaves blocks that are
             // simply absent. The data goes past the page cache where it can (`DirectWrites`).
             var stillDirect = direct
