@@ -198,8 +198,8 @@ class LoopbackServer:
     TLS (issue 42): `tls` None means the class default `default_tls`; False is plain http;
     True serves https with the session's `server` certificate (tls_fixture, ALPN `http/1.1`
     only: http.server speaks HTTP/1.1); an `ssl.SSLContext` is used as it is. `endpoint` is
-    then `https://127.0.0.1:PORT`. `tls_context` may be replaced while running; the next
-    connection uses it. `also_plain = True` opens a second, plain-http listener on another
+    then `https://127.0.0.1:PORT`. On a TLS server `tls_context` may be replaced while it
+    runs; the next connection uses it. `also_plain = True` opens a second, plain-http listener on another
     port with the same handler (`plain_port`, `plain_endpoint`), for what storefs reaches
     over plain http in real life (the GCE metadata server, emulator host variables).
     `handshake_errors` lists failed TLS handshakes.
@@ -216,24 +216,17 @@ class LoopbackServer:
     tls: "bool | ssl.SSLContext | None" = None
     tls_context: "ssl.SSLContext | None" = None
     also_plain = False
+    handshake_errors: "list[str] | tuple" = ()   # a list of this server's own once started
 
     def request_handler(self) -> type:
         raise NotImplementedError
 
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls_context is not None
-
     def handshake_failed(self, why: str) -> None:
-        errors = self.__dict__.setdefault("handshake_errors", [])
-        errors.append(why)
-
-    @property
-    def handshake_errors(self) -> list[str]:
-        return self.__dict__.get("handshake_errors", [])
+        self.handshake_errors.append(why)     # list.append is atomic: no lock needed
 
     def start(self):
         handler = type("Handler", (self.request_handler(),), {"owner": self})
+        self.handshake_errors = []
         want = self.default_tls if self.tls is None else self.tls
         if isinstance(want, ssl.SSLContext):
             self.tls_context = want
