@@ -260,6 +260,24 @@ def test_no_request_and_no_token_before_the_certificate_is_verified(bare_mount, 
         f"requests reached a server whose certificate failed: {rec.requests}"
 
 
+def test_no_key_grant_reaches_a_token_service_whose_certificate_fails(bare_mount, gcs_auth_proxy,
+                                                                    auth_server, tls, tmp_path,
+                                                                    request):
+    """A service-account key: the signed JWT grant is a secret too. Its token service
+    (`auth_endpoint=`) presents a self-signed certificate: the mount fails saying so, and the
+    service saw no request."""
+    rec = RecordingTLSServer(tls.server_context("self_signed")).start()
+    request.addfinalizer(rec.stop)
+    key = auth_server.make_service_account_key(str(tmp_path / "sa.json"))
+    line = _bare_fails(bare_mount, gcs_auth_proxy.endpoint, "is not signed by a CA storefs trusts",
+                       _origin(rec.https_url),
+                       options=[f"credentials={key.path}", f"auth_endpoint={rec.https_url}"],
+                       ca_file=tls.ca_file, code=None)
+    assert rec.connections >= 1 and rec.requests == [], rec.requests
+    assert gcs_auth_proxy.checks == [], "a storage request went out without a token"
+    assert not any(frag in line for frag in key.secret_fragments())
+
+
 def test_a_redirect_from_https_to_http_is_not_followed(bare_mount, tls, tmp_path, request):
     plain = ConnectionCounter().start()
     request.addfinalizer(plain.stop)
