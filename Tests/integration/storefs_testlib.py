@@ -172,12 +172,21 @@ class _TLSHTTPServer(http.server.ThreadingHTTPServer):
     owner: "LoopbackServer"
 
     def finish_request(self, request, client_address):
-        ctx = self.owner.tls_context
+        # An owner that tracks its connections (ForbiddingProxy.cut) sees this one from the
+        # start of its handshake, so a cut leaves no half-made connection behind.
+        track = getattr(self.owner, "track", None)
         request.settimeout(10.0)
+        tls = self.owner.tls_context.wrap_socket(request, server_side=True,
+                                                 do_handshake_on_connect=False)
+        if track:
+            track(tls, True)
         try:
-            tls = ctx.wrap_socket(request, server_side=True)
+            tls.do_handshake()
         except (ssl.SSLError, OSError) as exc:
             self.owner.handshake_failed(f"{type(exc).__name__}: {exc}")
+            if track:
+                track(tls, False)
+            tls.close()
             return
         tls.settimeout(None)
         try:

@@ -216,7 +216,8 @@ def client_context() -> ssl.SSLContext:
 
 # ====================================================================== servers
 def _splice(a: socket.socket, b: socket.socket) -> None:
-    """Copies a -> b until a ends, then half-closes b. Errors end the copy quietly."""
+    """Copies a -> b until a ends, then half-closes b (at the socket level: SSLSocket.shutdown
+    would also drop the TLS state another thread is reading with). Errors end the copy quietly."""
     try:
         while True:
             data = a.recv(256 * 1024)
@@ -226,7 +227,7 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
     except (OSError, ValueError):
         pass
     try:
-        b.shutdown(socket.SHUT_WR)
+        socket.socket.shutdown(b, socket.SHUT_WR)
     except (OSError, ValueError):
         pass
 
@@ -292,14 +293,32 @@ class _Acceptor:
             (self._live.add if alive else self._live.discard)(sock)
 
     def drop_connections(self) -> None:
-        """Resets every connection being served; the listener stays."""
+        """Ends every connection being served, those still in their TLS handshake included;
+        the listener stays. (The socket-level shutdown, also on a TLS socket: the peer sees
+        the connection end, and the thread serving it sees EOF.)"""
         with self._lock:
             live = list(self._live)
         for s in live:
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def handshake(self, conn: socket.socket, context_of) -> ssl.SSLSocket:
+        """Server-side TLS on `conn` with `context_of()`, read when the TLS socket is made and
+        tracked at once under the lock, so a context swapped then `drop_connections()` leaves
+        no connection made with the old one. Raises what the handshake raises."""
+        with self._lock:
+            tls = context_of().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            self._live.discard(conn)
+            self._live.add(tls)
+        try:
+            tls.do_handshake()
+        except BaseException:
+            self.track(tls, False)
+            tls.close()
+            raise
+        return tls
 
     def stop(self) -> None:
         if self._listener is not None:
@@ -334,13 +353,11 @@ class TLSFront(_Acceptor):
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
-            tls = self.context.wrap_socket(conn, server_side=True)
+            tls = self.handshake(conn, lambda: self.context)
         except (ssl.SSLError, OSError) as exc:
             with self._lock:
                 self.handshake_errors.append(f"{type(exc).__name__}: {exc}")
             return
-        self.track(conn, False)
-        self.track(tls, True)
         try:
             tls.settimeout(None)
             with self._lock:
@@ -486,15 +503,13 @@ class RecordingTLSServer(_Acceptor):
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
-            tls = self.context.wrap_socket(conn, server_side=True)
+            tls = self.handshake(conn, lambda: self.context)
         except (ssl.SSLError, OSError) as exc:
             with self._lock:
                 self.handshake_errors.append(f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
             self.handshakes += 1
-        self.track(conn, False)
-        self.track(tls, True)
         try:
             tls.settimeout(30)
             f = tls.makefile("rb")
