@@ -15,4 +15,14 @@ long cprocess_getxattr(const char *path, const char *name, void *value, unsigned
     return (long)getxattr(path, name, value, (size_t)size);
 }
 
+long cprocess_fgetxattr(int fd, const char *name, void *value, unsigned long size) {
+    return (long)fgetxattr(fd, name, value, (size_t)size);
+}
+
+long cprocess_lgetxattr(const char *path, const char *name, void *value, unsigned long size) {
+    return (long)lgetxattr(path, name, value, (size_t)size);
+}
+
 int cprocess_o_direct(void) { return O_DIRECT; }
+
+int cprocess_o_path(void) { return O_PATH; }

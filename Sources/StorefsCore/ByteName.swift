@@ -5,7 +5,7 @@
 /// the KELVIN SIGN once normalised. Object names are byte strings (two such names are two
 /// objects), so every table keyed by a name or a path — listings, the inode table, the
 /// negative cache, flights — uses this type, and every prefix or `/` split on a name works on
-/// its UTF-8 bytes (the helpers below). docs/security.md, "Names".
+/// its UTF-8 bytes (the helpers below). docs/security.md, "Hostile server answers".
 public struct ByteName: Hashable, Comparable, Sendable, CustomStringConvertible {
     public let string: String
 

@@ -2,13 +2,25 @@ import Foundation
 import StorageClient
 import Synchronization
 
-/// `user.storefs.download_url` (README, "Extended attributes"): the Firebase token URL
-/// when the object has a download token, else a V4 signed URL when a service-account key is at
-/// hand, else the public `storage.googleapis.com` URL. A URL is a capability, so who may read
-/// the attribute is a policy of its own (`url_xattr=`).
+/// `user.storefs.download_url` (README, "Download URLs"): the Firebase token URL when the
+/// object has a download token, else a V4 signed URL when a service-account key is at hand,
+/// else the public `storage.googleapis.com` URL. On a GCS JSON API endpoint that is not
+/// Google's (fake-gcs-server, a proxy) a token object gets the endpoint's JSON API media URL
+/// instead, because such a server is only known to speak the JSON API and may serve no v0 path
+/// at all (fake-gcs-server does not). A URL is a capability, so who may read the attribute is a
+/// policy of its own (`url_xattr=`).
 public final class DownloadURL: Sendable {
     public static let firebaseHost = "https://firebasestorage.googleapis.com"
     public static let publicHost = "https://storage.googleapis.com"
+
+    /// What an object with a Firebase download token gets.
+    public enum TokenObjects: Sendable, Equatable {
+        /// The Firebase token URL on `tokenHost` (`…/v0/b/B/o/NAME?alt=media&token=T`).
+        case firebaseTokenURL
+        /// The public URL on `publicHost`, which for an endpoint that is not Google's is the
+        /// JSON API media URL; the token is left out (the JSON API does not read it).
+        case publicURL
+    }
 
     public enum Access: String, Sendable {
         /// The mounting user and root only (the default; matters with allow_other).
@@ -25,12 +37,14 @@ public final class DownloadURL: Sendable {
     /// endpoint when that is not Google's, as a JSON API media URL (which any GCS-API server,
     /// an emulator included, serves).
     public let publicHost: String
+    public let tokenObjects: TokenObjects
     public let signer: URLSigner?
     public let access: Access
     public let ownerUID: UInt32
     private let signed = Mutex([String: (url: String, until: Int64)]())
 
-    public init(tokenHost: String = firebaseHost, publicHost: String = publicHost, signer: URLSigner? = nil,
+    public init(tokenHost: String = firebaseHost, publicHost: String = publicHost,
+                tokenObjects: TokenObjects = .firebaseTokenURL, signer: URLSigner? = nil,
                 access: Access = .owner, ownerUID: UInt32 = 0) {
         func trimmed(_ host: String) -> String {
             var h = host
@@ -39,9 +53,34 @@ public final class DownloadURL: Sendable {
         }
         self.tokenHost = trimmed(tokenHost)
         self.publicHost = trimmed(publicHost)
+        self.tokenObjects = tokenObjects
         self.signer = signer
         self.access = access
         self.ownerUID = ownerUID
+    }
+
+    /// The URLs a mount hands out: they point where the mount reads.
+    /// - Google's endpoints: token URLs on `firebasestorage.googleapis.com`, public URLs on
+    ///   `storage.googleapis.com`.
+    /// - `protocol=firebase` on another endpoint (the Firebase emulator): token URLs on it.
+    /// - `protocol=gcs` on another endpoint: every object, token or not, gets the endpoint's
+    ///   JSON API media URL, the one URL such a server is known to serve.
+    public static func forMount(protocol storageProtocol: MountOptions.StorageProtocol, endpoint: String,
+                                signer: URLSigner? = nil, access: Access = .owner, ownerUID: UInt32 = 0) -> DownloadURL {
+        var origin = endpoint
+        while origin.hasSuffix("/") { origin.removeLast() }
+        let isGoogle = [GCSJSONStore.defaultEndpoint, FirebaseV0Store.defaultEndpoint].contains(origin)
+        let tokenHost = storageProtocol == .firebase || !isGoogle ? origin : firebaseHost
+        let tokenObjects: TokenObjects = storageProtocol == .gcs && !isGoogle ? .publicURL : .firebaseTokenURL
+        return DownloadURL(tokenHost: tokenHost, publicHost: isGoogle ? publicHost : origin, tokenObjects: tokenObjects,
+                           signer: signer, access: access, ownerUID: ownerUID)
+    }
+
+    /// One line for the mount's debug log: which URL a token object and a plain object get.
+    public var summary: String {
+        let token = tokenObjects == .firebaseTokenURL ? "firebase token URL on \(tokenHost)" : "JSON API media URL on \(publicHost) (no v0 path assumed)"
+        let plain = signer != nil ? "signed URL" : publicHost == Self.publicHost ? "public URL on \(publicHost)" : "JSON API media URL on \(publicHost)"
+        return "download_url token-objects=\"\(token)\" others=\"\(plain)\""
     }
 
     /// Whether `uid` may read the URL.
@@ -67,7 +106,12 @@ public final class DownloadURL: Sendable {
     /// The URL for an object. A signed URL is reused for half its lifetime, so that the size
     /// query and the read of one getxattr see the same string.
     public func url(for meta: ObjectMetadata) -> String {
-        if let token = meta.downloadTokens.first { return Self.tokenURL(meta, token: token, host: tokenHost) }
+        if let token = meta.downloadTokens.first {
+            switch tokenObjects {
+            case .firebaseTokenURL: return Self.tokenURL(meta, token: token, host: tokenHost)
+            case .publicURL: return Self.publicURL(meta, host: publicHost)
+            }
+        }
         guard let signer else { return Self.publicURL(meta, host: publicHost) }
         let key = "\(meta.bucket)\u{0}\(meta.name)\u{0}\(meta.generation)"
         let now = Int64(Date().timeIntervalSince1970)

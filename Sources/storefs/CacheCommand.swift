@@ -33,7 +33,7 @@ enum CacheCommand {
             }
             dirs = cachesUnder(root)
             if dirs.isEmpty {
-                print("no storefs caches under \(root)")
+                print("no storefs caches under \(Log.escaped(root))")
                 return 0
             }
         }
@@ -68,22 +68,28 @@ enum CacheCommand {
         let fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else {
             let err = errno
-            if err == ELOOP || err == ENOTDIR { return (-1, "\(dir) is not a directory (a link or a file)") }
-            return (-1, "\(dir): \(String(cString: strerror(err)))")
+            if err == ELOOP || err == ENOTDIR { return (-1, "\(Log.escaped(dir)) is not a directory (a link or a file)") }
+            return (-1, "\(Log.escaped(dir)): \(String(cString: strerror(err)))")
         }
         return (fd, nil)
     }
 
-    /// nil: no mount holds it; else what its lock file says.
+    /// nil: no mount holds it; else what its lock file says. Each lock is probed through a
+    /// descriptor of its own (a new open file description, so a lock the caller holds on
+    /// `dirFD` is neither converted nor released), then closed.
     static func holder(_ dirFD: Int32) -> Holder? {
-        var held = flock(dirFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK
-        if !held { flock(dirFD, LOCK_UN) }
+        var held = false
+        let probe = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        if probe >= 0 {
+            held = flock(probe, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK
+            close(probe)
+        }
         let lockFD = openat(dirFD, "v\(versionNumber)/.lock", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
         var info = Holder()
         if lockFD >= 0 {
             defer { close(lockFD) }
             // Older storefs versions lock only this file.
-            if flock(lockFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK { held = true } else { flock(lockFD, LOCK_UN) }
+            if flock(lockFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK { held = true }
             var buffer = [UInt8](repeating: 0, count: 4096)
             let n = buffer.withUnsafeMutableBytes { read(lockFD, $0.baseAddress, $0.count) }
             if n > 0, let obj = try? JSONSerialization.jsonObject(with: Data(buffer[0..<n])) as? [String: Any] {
@@ -139,16 +145,19 @@ enum CacheCommand {
         let (fd, error) = openCacheDirectory(dir)
         if let error { return StorefsMain.fail("cache status: \(error)") }
         defer { close(fd) }
+        // What is printed comes from the file system and from v1/.lock, which whoever owns the
+        // cache wrote: control characters are escaped (Log.escaped), so none drives the terminal.
+        let shown = Log.escaped(dir)
         let blocks = tally(fd, "v\(versionNumber)", remove: false)
         let namespace = tally(fd, "ns-v1", remove: false)
-        print("cache \(dir)")
+        print("cache \(shown)")
         print("  format:    v\(versionNumber) block files, ns-v1 namespace")
         print("  objects:   \(blocks.files) cached object generations, \(bytes(blocks.bytes)) on disk (\(blocks.bytes) bytes)")
         print("  namespace: \(namespace.files) stored source(s), \(bytes(namespace.bytes))")
         if let h = holder(fd) {
             let cap = h.capacity.map { "\(bytes($0)) (\($0) bytes)" } ?? "unknown"
             print("  cap:       \(cap), set by the mount using it")
-            print("  in use:    by pid \(h.pid.map(String.init) ?? "?") mounted at \(h.mountpoint ?? "?")")
+            print("  in use:    by pid \(h.pid.map(String.init) ?? "?") mounted at \(h.mountpoint.map(Log.escaped) ?? "?")")
         } else {
             print("  cap:       set when mounted (cache_size=); the default here now is \(bytes(CacheLocation.defaultSize(directory: dir)))")
             print("  in use:    no (not mounted)")
@@ -160,28 +169,36 @@ enum CacheCommand {
         let (fd, error) = openCacheDirectory(dir)
         if let error { return StorefsMain.fail("cache clear: \(error)") }
         defer { close(fd) }
+        let shown = Log.escaped(dir)
         var st = stat()
         guard fstat(fd, &st) == 0, st.st_uid == geteuid() else {
-            return StorefsMain.fail("cache clear: \(dir) belongs to uid \(st.st_uid), not to you (uid \(geteuid())): only its owner clears it")
+            return StorefsMain.fail("cache clear: \(shown) belongs to uid \(st.st_uid), not to you (uid \(geteuid())): only its owner clears it")
         }
-        if flock(fd, LOCK_EX | LOCK_NB) == 0, holder(fd) == nil {
+        // The lock a mount takes, held until every deletion is done: a mount starting
+        // meanwhile is refused ("in use") instead of losing the files it finds.
+        if flock(fd, LOCK_EX | LOCK_NB) == 0 {
             defer { flock(fd, LOCK_UN) }
-            let blocks = tally(fd, "v\(versionNumber)", remove: true)
-            let namespace = tally(fd, "ns-v1", remove: true)
-            print("cleared \(dir): \(blocks.files) cached objects and \(namespace.files) stored namespace(s), \(bytes(blocks.bytes + namespace.bytes)) freed")
-            return 0
+            // Older storefs versions lock only v1/.lock: that lock is held through the deletions too.
+            let lockFile = openat(fd, "v\(versionNumber)/.lock", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+            defer { if lockFile >= 0 { close(lockFile) } }
+            if lockFile < 0 || flock(lockFile, LOCK_EX | LOCK_NB) == 0 {
+                let blocks = tally(fd, "v\(versionNumber)", remove: true)
+                let namespace = tally(fd, "ns-v1", remove: true)
+                print("cleared \(shown): \(blocks.files) cached objects and \(namespace.files) stored namespace(s), \(bytes(blocks.bytes + namespace.bytes)) freed")
+                return 0
+            }
         }
         let h = holder(fd) ?? Holder()
-        let at = h.mountpoint.map { "the mount at \($0)" } ?? "a storefs mount"
+        let at = h.mountpoint.map { "the mount at \(Log.escaped($0))" } ?? "a storefs mount"
         guard force else {
-            return StorefsMain.fail("cache_dir \(dir) is in use by \(at) (pid \(h.pid.map(String.init) ?? "?")): unmount it first, or give --force to clear it through that mount")
+            return StorefsMain.fail("cache_dir \(shown) is in use by \(at) (pid \(h.pid.map(String.init) ?? "?")): unmount it first, or give --force to clear it through that mount")
         }
         guard let mountpoint = h.mountpoint, mountedAt(mountpoint)?.hasPrefix("fuse.storefs") == true else {
-            return StorefsMain.fail("cache_dir \(dir) is in use, but its mount point is not known or not a storefs mount here: unmount it, then clear")
+            return StorefsMain.fail("cache_dir \(shown) is in use, but its mount point is not known or not a storefs mount here: unmount it, then clear")
         }
         guard let answer = PathAttributes.get(mountpoint, clearAttribute),
               let obj = try? JSONSerialization.jsonObject(with: Data(answer)) as? [String: Any] else {
-            return StorefsMain.fail("cache clear --force: the mount at \(mountpoint) refused (\(String(cString: strerror(errno)))): run it as the mounting user or root")
+            return StorefsMain.fail("cache clear --force: the mount at \(Log.escaped(mountpoint)) refused (\(String(cString: strerror(errno)))): run it as the mounting user or root")
         }
         let before = (obj["before_bytes"] as? NSNumber)?.int64Value ?? 0
         let after = (obj["after_bytes"] as? NSNumber)?.int64Value ?? 0
@@ -189,10 +206,10 @@ enum CacheCommand {
         if served != dir, let a = realpath(served, nil), let b = realpath(dir, nil) {
             defer { free(a); free(b) }
             if strcmp(a, b) != 0 {
-                return StorefsMain.fail("cache clear --force: the mount at \(mountpoint) uses \(served), not \(dir); it cleared its own cache")
+                return StorefsMain.fail("cache clear --force: the mount at \(Log.escaped(mountpoint)) uses \(Log.escaped(served)), not \(shown); it cleared its own cache")
             }
         }
-        print("cleared \(dir) through the mount at \(mountpoint): \(bytes(before)) before, \(bytes(after)) after (blocks being read at that moment stay)")
+        print("cleared \(shown) through the mount at \(Log.escaped(mountpoint)): \(bytes(before)) before, \(bytes(after)) after (blocks being read at that moment stay)")
         return 0
     }
 }

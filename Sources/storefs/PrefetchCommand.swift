@@ -10,9 +10,40 @@ import Synchronization
 enum PrefetchCommand {
     static let usage = "usage: storefs prefetch [-j N] PATH...   (files or directories inside a storefs mount)"
 
+    /// A mount's root as the walk holds it: every directory and file is reached from `fd`
+    /// with `openat` and must be on `device`.
+    struct Root {
+        let fd: Int32
+        let device: dev_t
+    }
+
+    /// A directory of the walk: `components` below its root, each opened `O_NOFOLLOW`.
+    struct Directory {
+        let root: Int
+        let components: [String]
+        /// The path as the user would type it (argument + names), for messages.
+        let shown: String
+    }
+
+    /// A regular file to read: `name` in `directories[directory]`.
     struct Item {
-        let path: String
+        let directory: Int
+        let name: String
+        let shown: String
         let size: Int64
+    }
+
+    /// What the walk found, and what it refused.
+    struct Tree {
+        var roots: [Root] = []
+        var directories: [Directory] = []
+        var items: [Item] = []
+        var failures: [(String, String)] = []
+        /// Entries not read on purpose (a FIFO, a device, another file system, a link where
+        /// a directory was): one line each, not an error.
+        var skipped: [(String, String)] = []
+        var cachedFiles = 0
+        var cachedBytes: Int64 = 0
     }
 
     /// Shared by the workers and the progress line.
@@ -22,6 +53,7 @@ enum PrefetchCommand {
         let next = Atomic<Int>(0)
         let workersDone = Atomic<Int>(0)
         let failures = Mutex<[(String, String)]>([])
+        let skipped = Mutex<[(String, String)]>([])
         /// The workers' threads: a read waiting on the mount ends (EINTR) only when its own
         /// thread gets the signal, so Ctrl-C is passed on to each.
         let threads = Mutex<[pthread_t]>([])
@@ -63,28 +95,21 @@ enum PrefetchCommand {
         }
         guard !paths.isEmpty else { return StorefsMain.fail("no PATH given: \(usage)", status: 2) }
 
-        var items: [Item] = []
-        var failures: [(String, String)] = []
-        var skipped = 0
-        var skippedBytes: Int64 = 0
+        var tree = Tree()
         for p in paths {
-            guard isInsideStorefs(p) else {
-                failures.append((p, "not a file or directory inside a storefs mount"))
-                continue
+            if interrupted.load(ordering: .relaxed) { break }
+            switch locate(p) {
+            case .failure(let problem):
+                tree.failures.append((p, problem.message))
+            case .success(let (root, components)):
+                tree.roots.append(root)
+                walk(shown: p, root: tree.roots.count - 1, components: components, into: &tree)
             }
-            collect(p, into: &items, failures: &failures)
         }
-        // What the cache holds already is not read again.
-        items = items.filter { item in
-            if let cached = cachedBytes(item.path), cached >= item.size {
-                skipped += 1
-                skippedBytes += item.size
-                return false
-            }
-            return true
-        }
+        defer { for root in tree.roots { close(root.fd) } }
+        let items = tree.items
         let total = items.reduce(Int64(0)) { $0 + $1.size }
-        let work = items
+        let work = (items: items, directories: tree.directories, roots: tree.roots)
         installInterruptHandler()
         let progress = Progress()
         let started = Date()
@@ -96,7 +121,7 @@ enum PrefetchCommand {
                 sigaddset(&set, SIGINT)
                 pthread_sigmask(SIG_UNBLOCK, &set, nil)
                 progress.threads.withLock { $0.append(pthread_self()) }
-                worker(work, progress)
+                worker(work.items, work.directories, work.roots, progress)
                 progress.workersDone.add(1, ordering: .releasing)
             }
             t.start()
@@ -118,12 +143,17 @@ enum PrefetchCommand {
             }
         }
         report(progress, total: total, files: items.count, started: started, terminal: terminal, final: true)
-        failures += progress.failures.withLock { $0 }
+        let failures = tree.failures + progress.failures.withLock { $0 }
+        let skipped = tree.skipped + progress.skipped.withLock { $0 }
         let line = "storefs prefetch: \(progress.filesDone.load(ordering: .relaxed)) of \(items.count) files fetched "
-            + "(\(bytes(progress.bytesDone.load(ordering: .relaxed)))), \(skipped) already cached (\(bytes(skippedBytes)))"
+            + "(\(bytes(progress.bytesDone.load(ordering: .relaxed)))), \(tree.cachedFiles) already cached (\(bytes(tree.cachedBytes)))"
         FileHandle.standardError.write(Data((line + "\n").utf8))
+        // Names come from the bucket: escaped, so none can drive the terminal (Log.escaped).
+        for (path, why) in skipped {
+            FileHandle.standardError.write(Data("storefs prefetch: skipped \(Log.escaped(path)): \(Log.escaped(why))\n".utf8))
+        }
         for (path, why) in failures {
-            FileHandle.standardError.write(Data("storefs prefetch: could not fetch \(path): \(why)\n".utf8))
+            FileHandle.standardError.write(Data("storefs prefetch: could not fetch \(Log.escaped(path)): \(Log.escaped(why))\n".utf8))
         }
         if interrupted.load(ordering: .relaxed) {
             FileHandle.standardError.write(Data("storefs prefetch: interrupted; what was fetched stays in the cache\n".utf8))
@@ -132,52 +162,222 @@ enum PrefetchCommand {
         return failures.isEmpty ? 0 : 1
     }
 
-    /// Files (not following links) under `path`, or `path` itself.
-    static func collect(_ path: String, into items: inout [Item], failures: inout [(String, String)]) {
-        if interrupted.load(ordering: .relaxed) { return }
+    // MARK: Finding the mount's root
+
+    /// The storefs mount `path` lies in, as a descriptor of its root, and the names leading
+    /// from there to `path`. `realpath` resolves the argument once (links the user typed, or a
+    /// link of the bucket that leads into a mount, are fine: what it names must be inside a
+    /// storefs mount); from then on nothing is looked up by path. The components are walked
+    /// from `/` with `O_PATH | O_NOFOLLOW` (no directory is opened for reading on the way),
+    /// and the root is where the device of the final entry begins.
+    static func locate(_ path: String) -> Result<(Root, [String]), Problem> {
+        let outside = "not a file or directory inside a storefs mount"
+        guard let resolved = realpath(path, nil) else { return .failure(Problem(errnoText())) }
+        let real = String(cString: resolved)
+        free(resolved)
+        let names = real.split(separator: "/").map(String.init)
+        let pathFlags = OpenFlags.path | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
+        var fds: [Int32] = []
+        defer { for fd in fds { close(fd) } }
+        var devices: [dev_t] = []
+        func push(_ fd: Int32) -> Problem? {
+            guard fd >= 0 else { return Problem(errno == ELOOP ? "\(real) changed while being resolved (a link appeared)" : errnoText()) }
+            fds.append(fd)
+            var st = stat()
+            guard fstat(fd, &st) == 0 else { return Problem(errnoText()) }
+            devices.append(st.st_dev)
+            return nil
+        }
+        if let why = push(open("/", pathFlags)) { return .failure(why) }
+        for name in names.dropLast() {
+            if let why = push(openat(fds[fds.count - 1], name, pathFlags)) { return .failure(why) }
+        }
+        var target = stat()
+        if let last = names.last {
+            guard fstatat(fds[fds.count - 1], last, &target, AT_SYMLINK_NOFOLLOW) == 0 else { return .failure(Problem(errnoText())) }
+            if target.st_mode & S_IFMT == S_IFDIR, let why = push(openat(fds[fds.count - 1], last, pathFlags)) {
+                return .failure(why)
+            }
+        } else {
+            target.st_dev = devices[0]
+        }
+        // The root: the first directory of the chain from which on every one is on the
+        // device of the target.
+        var first = devices.count
+        while first > 0 && devices[first - 1] == target.st_dev { first -= 1 }
+        guard first < devices.count else { return .failure(Problem(outside)) }
+        let rootFD = openat(fds[first], ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        guard rootFD >= 0 else { return .failure(Problem(errnoText())) }
         var st = stat()
-        guard lstat(path, &st) == 0 else {
-            failures.append((path, String(cString: strerror(errno))))
+        guard fstat(rootFD, &st) == 0, st.st_dev == target.st_dev,
+              PathAttributes.get(descriptor: rootFD, "user.storefs.gs_uri")?.isEmpty == false else {
+            close(rootFD)
+            return .failure(Problem(outside))
+        }
+        // fds[k] is the directory after k names: the root is after `first` of them.
+        return .success((Root(fd: rootFD, device: st.st_dev), Array(names[first...])))
+    }
+
+    // MARK: The walk
+
+    /// Opens `components` below `root` one at a time, each `O_NOFOLLOW`, and checks each is a
+    /// directory on the root's device. Returns a descriptor, or why not (naming the entry).
+    static func openDirectory(_ root: Root, _ components: [String]) -> Result<Int32, Problem> {
+        var fd = root.fd
+        var walked = ""
+        for name in components {
+            walked += walked.isEmpty ? name : "/" + name
+            let next = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+            let err = errno
+            // O_DIRECTORY | O_NOFOLLOW on a link fails with ENOTDIR: say which it was.
+            var st = stat()
+            let isLink = next < 0 && fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_mode & S_IFMT == S_IFLNK
+            if fd != root.fd { close(fd) }
+            guard next >= 0 else {
+                if err == ELOOP || isLink { return .failure(Problem("\(walked) is a symbolic link now (not followed)")) }
+                if err == ENOTDIR { return .failure(Problem("\(walked) is not a directory now")) }
+                return .failure(Problem("\(walked): \(String(cString: strerror(err)))"))
+            }
+            guard fstat(next, &st) == 0, st.st_mode & S_IFMT == S_IFDIR, st.st_dev == root.device else {
+                close(next)
+                return .failure(Problem("\(walked) is on another file system (something is mounted there)"))
+            }
+            fd = next
+        }
+        return .success(fd == root.fd ? dup(root.fd) : fd)
+    }
+
+    /// Adds the regular files at `components` below root `rootIndex` (the entry itself, or
+    /// everything under it) to `tree`: symbolic links are not followed (their targets are
+    /// objects of their own), FIFOs, devices and entries of other file systems are skipped.
+    static func walk(shown: String, root rootIndex: Int, components: [String], into tree: inout Tree) {
+        let root = tree.roots[rootIndex]
+        guard let last = components.last else {
+            descend(Directory(root: rootIndex, components: [], shown: shown), root, into: &tree)
             return
         }
-        switch st.st_mode & S_IFMT {
-        case S_IFREG:
-            items.append(Item(path: path, size: Int64(st.st_size)))
-        case S_IFDIR:
-            guard let dir = opendir(path) else {
-                failures.append((path, String(cString: strerror(errno))))
-                return
-            }
-            var names: [String] = []
-            while let e = readdir(dir) {
-                let name = withUnsafeBytes(of: e.pointee.d_name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
-                if name != "." && name != ".." { names.append(name) }
-            }
-            closedir(dir)
-            for name in names.sorted() {
-                collect(path.hasSuffix("/") ? path + name : path + "/" + name, into: &items, failures: &failures)
-            }
-        default:
-            break  // symbolic links: their targets are objects of their own
+        let parentShown = shown.utf8.contains(UInt8(ascii: "/")) ? String(shown[..<shown.lastIndex(of: "/")!]) : "."
+        switch openDirectory(root, Array(components.dropLast())) {
+        case .failure(let problem):
+            tree.failures.append((shown, problem.message))
+        case .success(let parentFD):
+            defer { close(parentFD) }
+            tree.directories.append(Directory(root: rootIndex, components: Array(components.dropLast()), shown: parentShown))
+            consider(last, shown: shown, in: parentFD, directory: tree.directories.count - 1, into: &tree)
         }
     }
 
-    static func worker(_ items: [Item], _ progress: Progress) {
+    /// One entry of directory `directory` (open as `dirFD`).
+    static func consider(_ name: String, shown: String, in dirFD: Int32, directory: Int, into tree: inout Tree) {
+        if interrupted.load(ordering: .relaxed) { return }
+        let parent = tree.directories[directory]
+        let root = tree.roots[parent.root]
+        var st = stat()
+        guard fstatat(dirFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0 else {
+            tree.failures.append((shown, errnoText()))
+            return
+        }
+        let type = st.st_mode & S_IFMT
+        if type == S_IFLNK { return }
+        guard st.st_dev == root.device else {
+            tree.skipped.append((shown, "on another file system (something is mounted there), not read"))
+            return
+        }
+        switch type {
+        case S_IFREG:
+            let size = Int64(st.st_size)
+            if let cached = cachedBytes(dirFD, name), cached >= size {
+                tree.cachedFiles += 1
+                tree.cachedBytes += size
+            } else {
+                tree.items.append(Item(directory: directory, name: name, shown: shown, size: size))
+            }
+        case S_IFDIR:
+            descend(Directory(root: parent.root, components: parent.components + [name], shown: shown), root, into: &tree)
+        default:
+            tree.skipped.append((shown, "\(fileType(type)), not a regular file: not opened"))
+        }
+    }
+
+    /// Every entry of `directory`, in byte order.
+    static func descend(_ directory: Directory, _ root: Root, into tree: inout Tree) {
+        switch openDirectory(root, directory.components) {
+        case .failure(let problem):
+            tree.failures.append((directory.shown, problem.message))
+        case .success(let fd):
+            defer { close(fd) }
+            tree.directories.append(directory)
+            let index = tree.directories.count - 1
+            let base = directory.shown.hasSuffix("/") ? directory.shown : directory.shown + "/"
+            for name in entries(fd).sorted(by: { $0.utf8.lexicographicallyPrecedes($1.utf8) }) {
+                consider(name, shown: base + name, in: fd, directory: index, into: &tree)
+            }
+        }
+    }
+
+    /// The names in the directory `fd` is open on (without `.` and `..`).
+    static func entries(_ fd: Int32) -> [String] {
+        let copy = dup(fd)
+        guard copy >= 0 else { return [] }
+        guard let dir = fdopendir(copy) else {
+            close(copy)
+            return []
+        }
+        defer { closedir(dir) }
+        var names: [String] = []
+        while let e = readdir(dir) {
+            let name = withUnsafeBytes(of: e.pointee.d_name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
+            if name != "." && name != ".." { names.append(name) }
+        }
+        return names
+    }
+
+    static func fileType(_ type: mode_t) -> String {
+        switch type {
+        case S_IFIFO: return "a FIFO"
+        case S_IFCHR: return "a character device"
+        case S_IFBLK: return "a block device"
+        case S_IFSOCK: return "a socket"
+        default: return "not a file or directory"
+        }
+    }
+
+    // MARK: Reading
+
+    static func worker(_ items: [Item], _ directories: [Directory], _ roots: [Root], _ progress: Progress) {
         let buffer = UnsafeMutableRawPointer.allocate(byteCount: 1 << 20, alignment: 4096)
         defer { buffer.deallocate() }
+        // The directory of the last item (consecutive items mostly share one).
+        var open: (index: Int, fd: Int32)? = nil
+        defer { if let open { close(open.fd) } }
         while !interrupted.load(ordering: .relaxed) {
             let k = progress.next.add(1, ordering: .relaxed).oldValue
             guard k < items.count else { return }
             let item = items[k]
-            // O_DIRECT: each read is one request of this thread, which Ctrl-C interrupts (a
-            // read waiting on the kernel's own read-ahead only ends for SIGKILL), and the
-            // bytes do not take the page cache: they are in the block cache.
-            var fd = open(item.path, O_RDONLY | O_CLOEXEC | OpenFlags.direct)
-            if fd < 0 && errno == EINVAL { fd = open(item.path, O_RDONLY | O_CLOEXEC) }
-            guard fd >= 0 else {
-                let why = String(cString: strerror(errno))
-                progress.failures.withLock { $0.append((item.path, why)) }
+            let directory = directories[item.directory]
+            let root = roots[directory.root]
+            if open?.index != item.directory {
+                if let old = open { close(old.fd) }
+                open = nil
+                switch openDirectory(root, directory.components) {
+                case .failure(let problem):
+                    progress.skipped.withLock { $0.append((item.shown, problem.message)) }
+                    continue
+                case .success(let fd):
+                    open = (item.directory, fd)
+                }
+            }
+            guard let dirFD = open?.fd else { continue }
+            let fd: Int32
+            switch openFile(dirFD, item.name, device: root.device) {
+            case .skipped(let why):
+                progress.skipped.withLock { $0.append((item.shown, why)) }
                 continue
+            case .failed(let why):
+                progress.failures.withLock { $0.append((item.shown, why)) }
+                continue
+            case .opened(let opened):
+                fd = opened
             }
             var failed: String? = nil
             while !interrupted.load(ordering: .relaxed) {
@@ -185,7 +385,7 @@ enum PrefetchCommand {
                 if n == 0 { break }
                 if n < 0 {
                     if errno == EINTR { continue }
-                    failed = String(cString: strerror(errno))
+                    failed = errnoText()
                     break
                 }
                 progress.bytesDone.add(Int64(n), ordering: .relaxed)
@@ -194,11 +394,52 @@ enum PrefetchCommand {
             _ = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)
             close(fd)
             if let failed {
-                progress.failures.withLock { $0.append((item.path, failed)) }
+                progress.failures.withLock { $0.append((item.shown, failed)) }
             } else if !interrupted.load(ordering: .relaxed) {
                 progress.filesDone.add(1, ordering: .relaxed)
             }
         }
+    }
+
+    /// Why a path was not walked or a directory not opened (one line, naming the entry).
+    struct Problem: Error {
+        let message: String
+        init(_ message: String) { self.message = message }
+    }
+
+    enum Opened {
+        case opened(Int32)
+        case skipped(String)
+        case failed(String)
+    }
+
+    /// Opens `name` in `dirFD` for reading: only a regular file of the mount (`device`), never
+    /// through a link, never blocking in `open` (a FIFO put in its place would).
+    static func openFile(_ dirFD: Int32, _ name: String, device: dev_t) -> Opened {
+        var before = stat()
+        guard fstatat(dirFD, name, &before, AT_SYMLINK_NOFOLLOW) == 0 else { return .failed(errnoText()) }
+        if before.st_mode & S_IFMT == S_IFLNK { return .skipped("a symbolic link now (not followed)") }
+        guard before.st_mode & S_IFMT == S_IFREG, before.st_dev == device else {
+            return .skipped(before.st_dev == device ? "\(fileType(before.st_mode & S_IFMT)) now, not a regular file: not opened"
+                                                    : "on another file system now (something is mounted there), not read")
+        }
+        // O_DIRECT: each read is one request of this thread, which Ctrl-C interrupts (a read
+        // waiting on the kernel's own read-ahead only ends for SIGKILL), and the bytes do not
+        // take the page cache: they are in the block cache.
+        let flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC
+        var fd = openat(dirFD, name, flags | OpenFlags.direct)
+        if fd < 0 && errno == EINVAL { fd = openat(dirFD, name, flags) }
+        guard fd >= 0 else {
+            return errno == ELOOP ? .skipped("a symbolic link now (not followed)") : .failed(errnoText())
+        }
+        var st = stat()
+        guard fstat(fd, &st) == 0, st.st_mode & S_IFMT == S_IFREG, st.st_dev == device else {
+            close(fd)
+            return .skipped("not a regular file of the mount now: not read")
+        }
+        // O_NONBLOCK only mattered for opening.
+        _ = fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
+        return .opened(fd)
     }
 
     static func report(_ p: Progress, total: Int64, files: Int, started: Date, terminal: Bool, final: Bool) {
@@ -219,14 +460,10 @@ enum PrefetchCommand {
         }
     }
 
-    /// Whether `path` lies in a storefs mount: every file and directory there answers
-    /// `user.storefs.gs_uri`.
-    static func isInsideStorefs(_ path: String) -> Bool {
-        PathAttributes.get(path, "user.storefs.gs_uri")?.isEmpty == false
-    }
-
-    static func cachedBytes(_ path: String) -> Int64? {
-        PathAttributes.get(path, "user.storefs.cached", limit: 32).flatMap { Int64(String(decoding: $0, as: UTF8.self)) }
+    /// How much of `name` in `dirFD` the block cache holds (`user.storefs.cached`).
+    static func cachedBytes(_ dirFD: Int32, _ name: String) -> Int64? {
+        PathAttributes.get(directory: dirFD, entry: name, "user.storefs.cached", limit: 32)
+            .flatMap { Int64(String(decoding: $0, as: UTF8.self)) }
     }
 
     /// SIGINT and SIGTERM stop the workers between reads (and interrupt a read under way:
@@ -252,3 +489,5 @@ func bytes(_ n: Int64) -> String {
     }
     return u == 0 ? "\(n) B" : String(format: "%.1f %@", v, units[u])
 }
+
+private func errnoText() -> String { String(cString: strerror(errno)) }

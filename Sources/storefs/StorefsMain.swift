@@ -146,15 +146,10 @@ enum StorefsMain {
             return fail(error.message)
         }
 
-        // Download URLs point where the mount reads: Google's hosts for Google's endpoints, the
-        // mount's own endpoint otherwise (an emulator, a proxy) (README, "Download URLs").
-        let googles = [GCSJSONStore.defaultEndpoint, FirebaseV0Store.defaultEndpoint]
-        var endpoint = o.resolvedEndpoint
-        while endpoint.hasSuffix("/") { endpoint.removeLast() }
-        let isGoogle = googles.contains(endpoint)
-        let urls = DownloadURL(tokenHost: o.storageProtocol == .firebase || !isGoogle ? o.resolvedEndpoint : DownloadURL.firebaseHost,
-                               publicHost: isGoogle ? DownloadURL.publicHost : o.resolvedEndpoint,
-                               signer: choice.signer, access: o.urlAccess, ownerUID: getuid())
+        // Download URLs point where the mount reads (README, "Download URLs").
+        let urls = DownloadURL.forMount(protocol: o.storageProtocol, endpoint: o.resolvedEndpoint,
+                                        signer: choice.signer, access: o.urlAccess, ownerUID: getuid())
+        Log.debug(urls.summary)
         var config = Filesystem.Config(statTTL: o.statTTL, listTTL: o.listTTL, negativeTTL: o.negativeTTL,
                                        uid: o.uid ?? getuid(), gid: o.gid ?? getgid(),
                                        fileMode: o.fileMode, dirMode: o.dirMode, downloadURL: urls,

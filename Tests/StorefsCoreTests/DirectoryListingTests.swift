@@ -82,4 +82,34 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
     @Test func publicURLKeepsSlashes() {
         #expect(DownloadURL(ownerUID: 0).url(for: object("images/a b#.jpg")) == "https://storage.googleapis.com/b/images/a%20b%23.jpg")
     }
+
+    /// protocol=gcs on an endpoint that is not Google's (fake-gcs-server serves no v0 path):
+    /// a token object gets the endpoint's JSON API media URL, which that server serves, and
+    /// the token stays out of it.
+    @Test func gcsOnAnotherEndpointGivesTokenObjectsTheMediaURL() {
+        var m = object("images/a b+c.jpg")
+        m.downloadTokens = ["tok-1"]
+        let urls = DownloadURL.forMount(protocol: .gcs, endpoint: "http://127.0.0.1:4443/", ownerUID: 0)
+        #expect(urls.url(for: m) == "http://127.0.0.1:4443/download/storage/v1/b/b/o/images%2Fa%20b%2Bc.jpg?alt=media")
+        #expect(urls.url(for: object("x/y")) == "http://127.0.0.1:4443/download/storage/v1/b/b/o/x%2Fy?alt=media")
+    }
+
+    /// Google's endpoints and protocol=firebase keep the Firebase token URL.
+    @Test(arguments: [
+        (MountOptions.StorageProtocol.gcs, "https://storage.googleapis.com",
+         "https://firebasestorage.googleapis.com/v0/b/b/o/d%2Ff?alt=media&token=t", "https://storage.googleapis.com/b/d/f"),
+        (.gcs, "https://firebasestorage.googleapis.com/",
+         "https://firebasestorage.googleapis.com/v0/b/b/o/d%2Ff?alt=media&token=t", "https://storage.googleapis.com/b/d/f"),
+        (.firebase, "https://firebasestorage.googleapis.com",
+         "https://firebasestorage.googleapis.com/v0/b/b/o/d%2Ff?alt=media&token=t", "https://storage.googleapis.com/b/d/f"),
+        (.firebase, "http://127.0.0.1:9199",
+         "http://127.0.0.1:9199/v0/b/b/o/d%2Ff?alt=media&token=t", "http://127.0.0.1:9199/download/storage/v1/b/b/o/d%2Ff?alt=media"),
+    ])
+    func tokenURLsStayOnGoogleAndOnFirebase(p: MountOptions.StorageProtocol, endpoint: String, token: String, plain: String) {
+        var m = object("d/f")
+        m.downloadTokens = ["t"]
+        let urls = DownloadURL.forMount(protocol: p, endpoint: endpoint, ownerUID: 0)
+        #expect(urls.url(for: m) == token)
+        #expect(urls.url(for: object("d/f")) == plain)
+    }
 }

@@ -374,6 +374,23 @@ def load_sample_data(emu: GCSEmulator, bucket: str) -> None:
 
 
 # ---------------------------------------------------------------- CLI
+def _write_endpoint_file(path: str, endpoint: str) -> None:
+    """Writes `endpoint` to `path` through `path.tmp`, made new (O_EXCL|O_NOFOLLOW, 0600) and
+    renamed into place, so a file or link planted at either name is replaced, never followed
+    or written through. A stale `.tmp` (a killed run) is removed once: unlink drops a link
+    itself, not what it points to."""
+    tmp = path + ".tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(endpoint + "\n")
+    os.replace(tmp, path)
+
+
 def _serve(args: argparse.Namespace) -> int:
     emu = GCSEmulator()
     stop = threading.Event()
@@ -389,10 +406,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.sample:
             load_sample_data(emu, args.bucket)
         if args.endpoint_file:
-            tmp = args.endpoint_file + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(emu.endpoint + "\n")
-            os.replace(tmp, args.endpoint_file)
+            _write_endpoint_file(args.endpoint_file, emu.endpoint)
         print(emu.endpoint, flush=True)
         while not stop.is_set():
             if emu._proc is not None and emu._proc.poll() is not None:

@@ -325,3 +325,98 @@ def test_install_mount_t_and_purge(deb, mount, emulator, corpus):
             if failure is None:
                 pytest.fail(msg, pytrace=False)
             failure.add_note(msg)
+
+
+# ---------------------------------------------------------------- the systemd unit
+UNIT = os.path.join(ROOT, "packaging", "storefs@.service")
+# Each of these gives the service a mount namespace of its own, and a FUSE mount made in one
+# is invisible to the host: the unit must set none of them.
+NAMESPACING = ["PrivateMounts", "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices",
+               "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
+               "ProtectControlGroups", "ProtectProc", "ProcSubset", "ReadOnlyPaths",
+               "ReadWritePaths", "InaccessiblePaths", "ExecPaths", "NoExecPaths",
+               "TemporaryFileSystem", "BindPaths", "BindReadOnlyPaths", "MountFlags",
+               "RootDirectory", "RootImage", "PrivateUsers", "PrivateNetwork", "DynamicUser"]
+HARDENING = {
+    "NoNewPrivileges": "yes",
+    "CapabilityBoundingSet": "CAP_SYS_ADMIN",
+    "DevicePolicy": "closed",
+    "DeviceAllow": "/dev/fuse rw",
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+    "RestrictSUIDSGID": "yes",
+    "LockPersonality": "yes",
+    "UMask": "0077",
+}
+# `systemd-analyze security` exposure, on its 0-100 scale (it prints tenths: 5.3); the
+# unhardened unit was 96.
+EXPOSURE_LIMIT = 60
+
+# Runs under `unshare --mount`: a tmpfs over /usr/local/bin holding the binary under test as
+# storefs, so that verify finds the unit's ExecStart (the installed layout) and nothing else
+# on the machine changes.
+VERIFY_SCRIPT = r"""
+set -u
+bin=$1 unitdir=$2 limit=$3
+mount -t tmpfs -o size=256m,mode=0755 storefs-test-bin /usr/local/bin || exit 90
+cp "$bin" /usr/local/bin/storefs || exit 91
+cd "$unitdir" || exit 92
+systemd-analyze verify --man=no ./storefs@.service >verify.out 2>&1
+echo $? >verify.rc
+systemd-analyze security --offline=true --threshold="$limit" --no-pager ./storefs@.service \
+    >security.out 2>&1
+echo $? >security.rc
+"""
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    """Key -> values (in order) of the unit file's [Service] section."""
+    settings: dict[str, list[str]] = {}
+    section = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        if section == "[Service]" and "=" in line:
+            key, value = line.split("=", 1)
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_service_unit_is_hardened_and_keeps_the_mount_visible(storefs_bin, tmp_path):
+    """packaging/storefs@.service (issue 43, item 9): the hardening settings are there, none
+    that would hide the mount in a namespace, `systemd-analyze verify` has nothing to say and
+    `systemd-analyze security` rates the exposure at most EXPOSURE_LIMIT."""
+    if shutil.which("systemd-analyze") is None:
+        pytest.fail("systemd-analyze not found: install the Debian package systemd "
+                    "(scripts/install-deps does)", pytrace=False)
+    if os.geteuid() != 0:
+        pytest.fail("the unit check mounts a tmpfs in a private namespace: run as root", pytrace=False)
+    with open(UNIT) as f:
+        unit = f.read()
+    settings = unit_settings(unit)
+    for key, value in HARDENING.items():
+        assert settings.get(key) == [value], f"{key}={value} missing from the unit: {settings.get(key)}"
+    nofile = settings.get("LimitNOFILE", [""])[-1]
+    assert re.fullmatch(r"\d+(:\d+)?", nofile) and int(nofile.split(":")[0]) >= 4096, \
+        f"LimitNOFILE={nofile}: want an explicit limit above systemd's soft 1024"
+    hiding = sorted(k for k in settings if k in NAMESPACING)
+    assert not hiding, f"these settings put the mount in a private namespace: {hiding}"
+
+    unitdir = tmp_path / "unit"
+    unitdir.mkdir()
+    shutil.copy(UNIT, unitdir / "storefs@.service")
+    r = run(["unshare", "--mount", "--propagation", "private", "bash", "-c", VERIFY_SCRIPT,
+             "verify-script", storefs_bin, str(unitdir), str(EXPOSURE_LIMIT)], timeout=120)
+    assert r.returncode == 0, f"the verify namespace failed ({r.returncode}): {r.stderr}"
+    verify = (unitdir / "verify.out").read_text()
+    assert (unitdir / "verify.rc").read_text().strip() == "0" and verify == "", \
+        f"systemd-analyze verify:\n{verify}"
+    security = (unitdir / "security.out").read_text()
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d)", security)
+    assert m, f"systemd-analyze security gave no exposure level:\n{security[-2000:]}"
+    assert (unitdir / "security.rc").read_text().strip() == "0", \
+        f"exposure {m.group(1)} is above {EXPOSURE_LIMIT / 10}:\n{security[-3000:]}"
+    assert float(m.group(1)) * 10 <= EXPOSURE_LIMIT

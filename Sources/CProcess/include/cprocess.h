@@ -12,6 +12,12 @@ int cprocess_malloc_trim(void);
 int cprocess_limit_arenas(int arenas);
 /* getxattr(2) (sys/xattr.h is not part of Glibc's Swift module): the value's length, or -1/errno. */
 long cprocess_getxattr(const char *path, const char *name, void *value, unsigned long size);
+/* fgetxattr(2), for the same reason: the value's length, or -1/errno. */
+long cprocess_fgetxattr(int fd, const char *name, void *value, unsigned long size);
+/* lgetxattr(2), for the same reason (does not follow a link in the last component). */
+long cprocess_lgetxattr(const char *path, const char *name, void *value, unsigned long size);
 /* O_DIRECT (a _GNU_SOURCE name Glibc's Swift module leaves out). */
 int cprocess_o_direct(void);
+/* O_PATH (the same): a descriptor that names a directory without opening it for reading. */
+int cprocess_o_path(void);
 #endif

@@ -8,7 +8,8 @@ import Glibc
 ///   mounting user and writable by nobody else. A missing one is created with mode 0700.
 /// - Every existing ancestor must be owned by root or the mounting user and may be writable by
 ///   others only with the sticky bit (`/tmp`); a symbolic link on the way must be owned by
-///   root or the mounting user. Nothing that fails is ever chmodded: it is refused, by name.
+///   root or the mounting user (TrustedPath, which `log_file=` shares). Nothing that fails is
+///   ever chmodded: it is refused, by name.
 /// - Below it (`v1/`, shards, cache files, `.lock`) every open is an `openat` with
 ///   `O_NOFOLLOW | O_NONBLOCK` and an `fstat` check (a directory or a regular file of ours,
 ///   one link): a symlink, FIFO, device or foreign file found there is unlinked (the link
@@ -61,86 +62,15 @@ final class CacheDirectory: Sendable {
 
     // MARK: Opening the top directory
 
-    /// Walks `path` from `/`, one component at a time, creating missing ones (0700) and
-    /// checking each; returns a descriptor of the last one, which must be ours and private.
+    /// Walks `path` from `/` (TrustedPath: every ancestor checked, missing ones created 0700);
+    /// returns a descriptor of the last one, which must be ours and private.
     private static func openVerifiedPath(_ path: String, owner: uid_t) throws(Refused) -> Int32 {
-        let components = path.split(separator: "/").map(String.init)
-        var fd = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-        guard fd >= 0 else { throw Refused(message: "cache_dir \(path): cannot open /: \(errnoText())") }
-        var walked = ""
-        for (i, name) in components.enumerated() {
-            if name == "." || name == ".." {
-                close(fd)
-                throw Refused(message: "cache_dir \(path) contains '\(name)': give the plain absolute path")
-            }
-            walked += "/" + name
-            let last = i == components.count - 1
-            var st = stat()
-            if fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 {
-                guard errno == ENOENT else {
-                    let why = errnoText()
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path): cannot examine \(walked): \(why)")
-                }
-                if mkdirat(fd, name, 0o700) != 0 && errno != EEXIST {
-                    let why = errnoText()
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path): cannot create \(walked): \(why) (choose another with -o cache_dir=DIR)")
-                }
-                guard fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 else {
-                    let why = errnoText()
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path): cannot examine \(walked): \(why)")
-                }
-            }
-            if st.st_mode & S_IFMT == S_IFLNK {
-                // A link on the way is followed only when nobody else could have made it; the
-                // cache directory itself is never a link.
-                guard !last else {
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path) is a symbolic link: give the real directory it points to")
-                }
-                guard st.st_uid == 0 || st.st_uid == owner else {
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path): \(walked) is a symbolic link owned by uid \(st.st_uid), not by root or uid \(owner)")
-                }
-            }
-            let next = openat(fd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | (last ? O_NOFOLLOW : 0))
-            let openErrno = errno
-            close(fd)
-            guard next >= 0 else {
-                if openErrno == ENOTDIR || openErrno == ELOOP {
-                    throw Refused(message: "cache_dir \(path): \(walked) is not a directory")
-                }
-                throw Refused(message: "cache_dir \(path): cannot open \(walked): \(String(cString: strerror(openErrno)))")
-            }
-            fd = next
-            guard fstat(fd, &st) == 0 else {
-                close(fd)
-                throw Refused(message: "cache_dir \(path): cannot examine \(walked): \(errnoText())")
-            }
-            let mode = st.st_mode & 0o7777
-            if last {
-                guard st.st_uid == owner else {
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path) is owned by uid \(st.st_uid), not by the mounting user (uid \(owner)): use a directory of your own")
-                }
-                guard mode & 0o022 == 0 else {
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path) is writable by other users (mode \(octal(mode))): run chmod go-w \(path), or use a private directory")
-                }
-            } else {
-                guard st.st_uid == 0 || st.st_uid == owner else {
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path): its parent \(walked) is owned by uid \(st.st_uid), not by root or uid \(owner)")
-                }
-                guard mode & 0o022 == 0 || mode & S_ISVTX != 0 else {
-                    close(fd)
-                    throw Refused(message: "cache_dir \(path): its parent \(walked) is writable by other users without the sticky bit (mode \(octal(mode)))")
-                }
-            }
+        do throws(TrustedPath.Refused) {
+            return try TrustedPath.openDirectory(path, subject: "cache_dir \(path)", owner: owner, create: true, last: .own,
+                                                 hint: " (choose another with -o cache_dir=DIR)")
+        } catch {
+            throw Refused(message: error.message)
         }
-        return fd
     }
 
     /// Opens directory `name` under `parent`, creating it (0700) if missing. It must be a
@@ -391,8 +321,3 @@ final class CacheDirectory: Sendable {
 }
 
 private func errnoText() -> String { String(cString: strerror(errno)) }
-
-private func octal(_ mode: mode_t) -> String {
-    let s = String(mode, radix: 8)
-    return String(repeating: "0", count: max(0, 4 - s.count)) + s
-}

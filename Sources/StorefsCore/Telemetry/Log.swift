@@ -91,13 +91,14 @@ public enum Log {
         if toSyslog { openlog("storefs", LOG_PID, LOG_DAEMON) }
     }
 
-    /// Reopens `log_file=` (SIGHUP, after logrotate moved it). On failure the old file stays
-    /// in use and the reason is logged there.
+    /// Reopens `log_file=` (SIGHUP, after logrotate moved it) in the directory it was first
+    /// opened in (`LogFile.reopened`). On failure the old file stays in use and the reason is
+    /// logged there.
     public static func reopen() {
         let result: Result<String, LogFile.Refused>? = state.withLock { s in
             guard let old = s.file else { return nil }
             do throws(LogFile.Refused) {
-                let fresh = try LogFile(path: old.path)
+                let fresh = try old.reopened()
                 s.file = fresh
                 old.close()
                 return .success(old.path)

@@ -2,22 +2,57 @@ import Foundation
 import Glibc
 
 /// `log_file=PATH`: opened for appending, never through a link and never a file someone
-/// else could have put there (docs/security.md, "Paths other users control"): a root daemon
-/// told to log to `/tmp/x` must not append to whatever a local user linked there.
+/// else could have put there (docs/security.md, "The log file"): a root daemon told to log to
+/// `/tmp/x` must not append to whatever a local user linked there. Every directory above the
+/// file is held to the cache directory's rules (TrustedPath); the file's own directory stays
+/// open, and the file is (re)opened relative to it, so SIGHUP reopens it in that directory
+/// whatever a link on the path names by then.
 public final class LogFile: @unchecked Sendable {
     public struct Refused: Error, Sendable {
         public let message: String
     }
 
+    /// The directory the file lives in, opened once; every log file reopened on SIGHUP shares it.
+    private final class Directory: Sendable {
+        let fd: Int32
+        init(fd: Int32) { self.fd = fd }
+        deinit { Glibc.close(fd) }
+    }
+
     public let path: String
+    private let name: String
+    private let directory: Directory
     private let fd: Int32
 
-    /// Opens (creating with mode 0640) `path` for appending. Refused: a symbolic link, not a
-    /// regular file, owned by another user, with more than one name (a hard link), or
-    /// writable by group or others.
-    public init(path: String) throws(Refused) {
+    /// Opens (creating with mode 0640) `path` (absolute) for appending. Refused: an ancestor
+    /// another user owns or may write (without the sticky bit), or a link on the way another
+    /// user owns; and a file that is a symbolic link, not a regular file, owned by another
+    /// user, with more than one name (a hard link), or writable by group or others.
+    public convenience init(path: String) throws(Refused) {
+        let slash = path.utf8.lastIndex(of: UInt8(ascii: "/"))
+        guard path.hasPrefix("/"), let slash else {
+            throw Refused(message: "log_file=\(path) is not an absolute path")
+        }
+        let name = String(path[path.utf8.index(after: slash)...])
+        guard !name.isEmpty, name != ".", name != ".." else {
+            throw Refused(message: "log_file=\(path) names a directory: give the path of a file")
+        }
+        let parent = slash == path.utf8.startIndex ? "/" : String(path[..<slash])
+        let dirFD: Int32
+        do throws(TrustedPath.Refused) {
+            dirFD = try TrustedPath.openDirectory(parent, subject: "log_file=\(path)", owner: geteuid(), create: false,
+                                                  last: .ancestor)
+        } catch {
+            throw Refused(message: error.message)
+        }
+        try self.init(path: path, name: name, directory: Directory(fd: dirFD))
+    }
+
+    private init(path: String, name: String, directory: Directory) throws(Refused) {
         self.path = path
-        let fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC | O_NONBLOCK, 0o640)
+        self.name = name
+        self.directory = directory
+        let fd = openat(directory.fd, name, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC | O_NONBLOCK, 0o640)
         guard fd >= 0 else {
             let err = errno
             if err == ELOOP {
@@ -43,6 +78,12 @@ public final class LogFile: @unchecked Sendable {
         // Appends of one line each: O_NONBLOCK only mattered for opening (a FIFO would block).
         _ = fcntl(fd, F_SETFL, O_WRONLY | O_APPEND)
         self.fd = fd
+    }
+
+    /// The file opened again (SIGHUP, after logrotate moved it), in the directory this one
+    /// was opened in, with the same checks.
+    func reopened() throws(Refused) -> LogFile {
+        try LogFile(path: path, name: name, directory: directory)
     }
 
     func write(_ line: String) {
