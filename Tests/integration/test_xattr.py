@@ -27,7 +27,7 @@ def test_download_url_with_firebase_token(mount, corpus, emulator):
     name = corpus.TOKEN   # "meta/with token.txt", tokens "tok-1,tok-2"
     url = _get(m.p(name), P + "download_url")
     assert url == f"{emulator.endpoint}/download/storage/v1/b/test-bucket/o/meta%2Fwith%20token.txt?alt=media"
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=10, context=tls_fixture.client_context()) as r:
         assert r.read() == corpus.data[name]
 
 
