@@ -8,7 +8,9 @@ factories make against an https endpoint gets `ca_file=<tls.ca_file>` (pass `ca_
 to leave it out, or a path). What is plain http in real life stays plain: the GCE metadata
 server, emulator host variables, and tests of plain-http rules (credentials over http go to
 loopback only), which say so. Hops inside the test (proxy -> emulator) use the emulator's
-plain port.
+plain port, and so do the HTTP-level models that stay plain both ways (FaultProxy, and
+bench/link's linkproxy in test_link.py). test_tls.py has the TLS servers of its own
+(tls_fixture: a swappable TLS front, an ALPN sniffer, a request recorder).
 
 - `emulator` (session): a GCSEmulator (fake-gcs-server `-scheme both`) with bucket
   `test-bucket` holding the corpus (`storefs_testlib.Corpus`); `emulator.endpoint` is its
@@ -108,7 +110,8 @@ def proxy(emulator):
 
 
 def _auth_fixture():
-    """auth_fixture needs `cryptography`; only the tests that use it fail without it."""
+    """auth_fixture is imported on first use (it is heavy); like tls_fixture, which every
+    fixture here uses, it needs `cryptography`, so without it the whole suite fails loudly."""
     try:
         import auth_fixture
     except ImportError as exc:

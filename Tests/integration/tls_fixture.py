@@ -40,10 +40,14 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+try:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+except ImportError as exc:   # every TLS fixture needs it: say what to do, loudly
+    raise ImportError(f"tls_fixture needs the PyPI package cryptography ({exc}); "
+                      "run scripts/install-deps") from exc
 
 HTTP11 = ("http/1.1",)
 H2_AND_HTTP11 = ("h2", "http/1.1")
