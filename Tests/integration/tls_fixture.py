@@ -38,6 +38,7 @@ import socket
 import ssl
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
 try:
@@ -415,14 +416,16 @@ def parse_client_hello_alpn(hello: bytes) -> list[str] | None:
 class ALPNSniffer(_Acceptor):
     """TCP in front of a TLS server (`https://127.0.0.1:PORT`): records, per connection, the
     ALPN names the client's ClientHello offers (`offers`: a list per connection, None when
-    it had no ALPN extension), then forwards every byte unchanged both ways."""
+    it had no ALPN extension), then forwards every byte unchanged both ways. `hello_delay`
+    holds each ClientHello back that long first (a client mid-handshake, on demand)."""
 
     thread_name = "alpn-sniffer"
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, hello_delay: float = 0.0) -> None:
         super().__init__()
         host, _, port = upstream.split("://", 1)[1].rstrip("/").rpartition(":")
         self.upstream = (host, int(port))
+        self.hello_delay = hello_delay      # seconds each ClientHello is held before it goes on
         self.offers: list[list[str] | None] = []
         self.errors: list[str] = []
 
@@ -449,6 +452,8 @@ class ALPNSniffer(_Acceptor):
             return
         with self._lock:
             self.offers.append(offered)
+        if self.hello_delay:
+            time.sleep(self.hello_delay)      # a far server: the client sits in its handshake
         conn.settimeout(None)
         up = socket.create_connection(self.upstream, timeout=30)
         up.settimeout(None)
