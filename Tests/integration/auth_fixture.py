@@ -51,7 +51,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from storefs_testlib import ForbiddingProxy, LoopbackServer, MountManager, _ProxyHandler, classify
+from storefs_testlib import AUTO, ForbiddingProxy, LoopbackServer, MountManager, _ProxyHandler, classify
 
 READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 GOOGLE_TOKEN_AUD = "https://oauth2.googleapis.com/token"
@@ -315,6 +315,13 @@ class AuthEvent:
 class AuthServer(LoopbackServer):
     """Identity Toolkit, Secure Token, OAuth2 token and GCE metadata endpoints on 127.0.0.1.
 
+    TLS (issue 42): `endpoint` (for `auth_endpoint=`, token_uri) is https, like Google's token
+    services (`tls=False` for plain http). `plain_endpoint` is a second, plain-http listener
+    with the same handler, for what is plain http in real life: the GCE metadata server
+    (`metadata_host`: GCE_METADATA_HOST=host:port means http) and the proxy trap
+    (`http_proxy=` a plain http proxy: an https one would fail its handshake before any
+    CONNECT was recorded).
+
     Knobs (plain attributes, change them any time):
     - `api_key`: the only Web API key accepted (`?key=`);
     - `id_token_lifetime`: seconds until an ID token's `exp`; `id_token_reported_lifetime`:
@@ -327,7 +334,12 @@ class AuthServer(LoopbackServer):
     `log` (AuthEvent), `escapes` (targets of requests that tried to leave loopback).
     """
 
-    def __init__(self, project_id: str = "storefs-test", api_key: str = "test-web-api-key") -> None:
+    default_tls = True
+    also_plain = True
+
+    def __init__(self, project_id: str = "storefs-test", api_key: str = "test-web-api-key", *,
+                 tls=None) -> None:
+        self.tls = tls
         self.project_id = project_id
         self.project_number = "123456789012"
         self.api_key = api_key
@@ -358,8 +370,13 @@ class AuthServer(LoopbackServer):
 
     @property
     def metadata_host(self) -> str:
-        """The value for GCE_METADATA_HOST (host:port, no scheme)."""
-        return f"127.0.0.1:{self.port}"
+        """The value for GCE_METADATA_HOST (host:port, no scheme: plain http, the plain port)."""
+        return f"127.0.0.1:{self.plain_port}"
+
+    @property
+    def trap(self) -> str:
+        """The http_proxy value that catches requests trying to leave loopback (plain http)."""
+        return self.plain_endpoint
 
     @property
     def trap_token_uri(self) -> str:
@@ -814,15 +831,15 @@ class AuthCheck:
 
 
 class GCSAuthProxy(ForbiddingProxy):
-    """In front of fake-gcs-server: 401 unless `Authorization: Bearer <token AuthServer issued,
+    """In front of fake-gcs-server (https towards storefs by default, as ForbiddingProxy): 401 unless `Authorization: Bearer <token AuthServer issued,
     unexpired>`, otherwise forwarded like ForbiddingProxy does (which denies nothing here).
 
     `checks` lists every request (kind, auth kind, subject, status); `counts` as in
     ForbiddingProxy plus `unauthenticated`.
     """
 
-    def __init__(self, upstream: str, auth: AuthServer) -> None:
-        super().__init__(upstream, denied_prefix="")
+    def __init__(self, upstream: str, auth: AuthServer, *, tls=None, aliases=()) -> None:
+        super().__init__(upstream, denied_prefix="", tls=tls, aliases=aliases)
         self.auth = auth
         self.checks: list[AuthCheck] = []
 
@@ -884,7 +901,8 @@ class ExplicitMountManager(MountManager):
     """The `mount` factory with nothing implicit: no `anonymous`, no default endpoint.
 
     `m = bare_mount(source, options=[...], endpoint=URL or None, env={...})`; endpoint None
-    leaves `endpoint=` out. storefs runs through `env -i` with PATH, a private empty HOME, the
+    leaves `endpoint=` out. `ca_file=` as in MountManager (AUTO: the session CA when the
+    endpoint or `auth_endpoint=` is https). storefs runs through `env -i` with PATH, a private empty HOME, the
     `env` given, and http(s)_proxy pointing at `trap` (the AuthServer) with loopback exempt: a
     request meant for a real Google host lands in `AuthServer.escapes` instead of the network.
     `command(...)` builds the argv (and adopts the mount point) for runs that must fail.
@@ -910,9 +928,11 @@ class ExplicitMountManager(MountManager):
                 env[k] = v
         return env
 
-    def argv(self, source, mnt, *, endpoint, options=(), foreground=True, cache_dir=None):
+    def argv(self, source, mnt, *, endpoint, options=(), foreground=True, cache_dir=None,
+             ca_file=AUTO):
         cache_dir = cache_dir or self.new_dir("cache")
-        opts = ([f"endpoint={endpoint}"] if endpoint else []) + [f"cache_dir={cache_dir}", *options]
+        opts = (([f"endpoint={endpoint}"] if endpoint else []) + [f"cache_dir={cache_dir}"]
+                + self.tls_options(endpoint, options, ca_file) + list(options))
         env = self.environment(self._call_env)
         argv = (["/usr/bin/env", "-i", *[f"{k}={v}" for k, v in env.items()], self.bin]
                 + (["-f"] if foreground else []) + ["-o", ",".join(opts), source, mnt])
@@ -927,14 +947,14 @@ class ExplicitMountManager(MountManager):
             self._call_env = {}
 
     def command(self, source: str, *, options=(), endpoint: str | None = None,
-                env: dict[str, str] | None = None, foreground: bool = True
+                env: dict[str, str] | None = None, foreground: bool = True, ca_file=AUTO
                 ) -> tuple[list[str], str]:
         """(argv, mount point) for a run that is expected to fail; cleanup is still ours."""
         mnt = self.new_dir("mnt")
         self._call_env = dict(env or {})
         try:
             argv, cache = self.argv(source, mnt, endpoint=endpoint, options=options,
-                                    foreground=foreground)
+                                    foreground=foreground, ca_file=ca_file)
         finally:
             self._call_env = {}
         self.adopt(mnt, cache)

@@ -1,27 +1,47 @@
 """Fixtures for the storefs integration suite (real FUSE mounts against fake-gcs-server).
 
-- `emulator` (session): a GCSEmulator with bucket `test-bucket` holding the corpus
-  (`storefs_testlib.Corpus`); `emulator.corpus` has the bytes and upload resources.
+TLS (issue 42): the suite runs where users are, on https. `tls` (session) is the
+tls_fixture.TLSMaterial: a throwaway CA and certificates in a private 0700 temp dir
+(`tls.ca_file`, `tls.server` for 127.0.0.1/localhost, and bad ones for test_tls.py). Every
+server below that stands for a Google service serves https with `tls.server`; every mount the
+factories make against an https endpoint gets `ca_file=<tls.ca_file>` (pass `ca_file=None`
+to leave it out, or a path). What is plain http in real life stays plain: the GCE metadata
+server, emulator host variables, and tests of plain-http rules (credentials over http go to
+loopback only), which say so. Hops inside the test (proxy -> emulator) use the emulator's
+plain port, and so do the HTTP-level models that stay plain both ways (FaultProxy, and
+bench/link's linkproxy in test_link.py). test_tls.py has the TLS servers of its own
+(tls_fixture: a swappable TLS front, an ALPN sniffer, a request recorder).
+
+- `emulator` (session): a GCSEmulator (fake-gcs-server `-scheme both`) with bucket
+  `test-bucket` holding the corpus (`storefs_testlib.Corpus`); `emulator.endpoint` is its
+  https origin (HTTP/2 and HTTP/1.1 by ALPN), `emulator.http_endpoint` the plain one;
+  `emulator.corpus` has the bytes and upload resources.
 - `corpus` (session): that Corpus.
 - `storefs_bin` (session): path of the binary (env STOREFS_BIN); fails when missing, and
   when /dev/fuse or the mount tools are not usable.
 - `mount` (function): a MountManager; `mount(source, options=[...], endpoint=...,
   foreground=True, mountpoint=None, cwd=None)` returns a Mount once /proc/self/mountinfo
   lists it as fuse.storefs. Every mount is unmounted at teardown, whatever happened.
-- `proxy` (function): a ForbiddingProxy in front of the emulator (403 under `private/`,
-  request counts by kind in `proxy.counts`, `proxy.log`).
+  `ca_file=` is added for https endpoints (above).
+- `proxy` (function): a ForbiddingProxy (https) in front of the emulator's plain port (403
+  under `private/`, request counts by kind in `proxy.counts`, `proxy.log`).
 
 Firebase v0 and credentials (firebase_fixture.py, auth_fixture.py):
 - `auth_server` (function): an AuthServer (Identity Toolkit, Secure Token, OAuth2 token and
-  GCE metadata endpoints on one loopback port); storefs reaches it via `auth_endpoint=` and
-  `GCE_METADATA_HOST`.
-- `firebase` (function): a FirebaseStorageServer (v0 REST) over the `emulator`, verifying
-  tokens with `auth_server`; rules default to everything public.
-- `gcs_auth_proxy` (function): 401 unless a Bearer token `auth_server` issued, then forwards
-  to the emulator.
+  GCE metadata endpoints); storefs reaches the token services via `auth_endpoint=` (https,
+  `auth_server.endpoint`) and the metadata server via `GCE_METADATA_HOST` (plain http,
+  `auth_server.metadata_host`, a second port).
+- `firebase` (function): a FirebaseStorageServer (v0 REST, https; `firebase.host` is its
+  plain listener for FIREBASE_STORAGE_EMULATOR_HOST) over the `emulator`, verifying tokens
+  with `auth_server`; rules default to everything public.
+- `gcs_auth_proxy` (function): https; 401 unless a Bearer token `auth_server` issued, then
+  forwards to the emulator.
 - `bare_mount` (function): like `mount`, but nothing implicit (no `anonymous`, no endpoint,
   a clean environment whose proxy variables trap non-loopback requests in
-  `auth_server.escapes`); fails the test at teardown if any request tried to leave loopback.
+  `auth_server.escapes` through its plain port); `ca_file=` still added for https
+  endpoints; fails the test at teardown if any request tried to leave loopback.
+- `fault_proxy` (function): a fault_proxy.FaultProxy, plain http on both sides (its
+  docstring says why), in front of `emulator.http_endpoint`.
 
 Nothing here skips: a missing prerequisite is a failure.
 """
@@ -30,14 +50,23 @@ from __future__ import annotations
 
 import pytest
 
+import tls_fixture
 from firebase_fixture import FirebaseStorageServer
 from gcs_emulator import GCSEmulator
 from storefs_testlib import BUCKET, Corpus, ForbiddingProxy, MountManager, require_fuse, storefs_bin as _bin
 
 
 @pytest.fixture(scope="session")
-def emulator():
-    emu = GCSEmulator()
+def tls() -> tls_fixture.TLSMaterial:
+    try:
+        return tls_fixture.session()
+    except Exception as exc:
+        pytest.fail(f"cannot make the session's TLS material: {exc!r}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def emulator(tls):
+    emu = GCSEmulator(tls=tls)
     try:
         emu.start()
     except Exception as exc:
@@ -64,8 +93,8 @@ def storefs_bin() -> str:
 
 
 @pytest.fixture
-def mount(emulator, storefs_bin):
-    manager = MountManager(emulator.endpoint, storefs_bin)
+def mount(emulator, storefs_bin, tls):
+    manager = MountManager(emulator.endpoint, storefs_bin, ca_file=tls.ca_file)
     yield manager
     problems = manager.close()
     if problems:
@@ -74,14 +103,15 @@ def mount(emulator, storefs_bin):
 
 @pytest.fixture
 def proxy(emulator):
-    p = ForbiddingProxy(emulator.endpoint)
+    p = ForbiddingProxy(emulator.http_endpoint, aliases=[emulator.endpoint])
     p.start()
     yield p
     p.stop()
 
 
 def _auth_fixture():
-    """auth_fixture needs `cryptography`; only the tests that use it fail without it."""
+    """auth_fixture is imported on first use (it is heavy); like tls_fixture, which every
+    fixture here uses, it needs `cryptography`, so without it the whole suite fails loudly."""
     try:
         import auth_fixture
     except ImportError as exc:
@@ -108,15 +138,17 @@ def firebase(emulator, auth_server):
 
 @pytest.fixture
 def gcs_auth_proxy(emulator, auth_server):
-    p = _auth_fixture().GCSAuthProxy(emulator.endpoint, auth_server)
+    p = _auth_fixture().GCSAuthProxy(emulator.http_endpoint, auth_server,
+                                     aliases=[emulator.endpoint])
     p.start()
     yield p
     p.stop()
 
 
 @pytest.fixture
-def bare_mount(storefs_bin, auth_server):
-    manager = _auth_fixture().ExplicitMountManager(storefs_bin, trap=auth_server.endpoint)
+def bare_mount(storefs_bin, auth_server, tls):
+    manager = _auth_fixture().ExplicitMountManager(storefs_bin, trap=auth_server.trap)
+    manager.ca_file = tls.ca_file
     yield manager
     problems = manager.close()
     if auth_server.escapes:
@@ -127,10 +159,11 @@ def bare_mount(storefs_bin, auth_server):
 
 @pytest.fixture
 def fault_proxy(emulator):
-    """A fault_proxy.FaultProxy in front of the emulator (no faults until a test adds rules or
-    a random plan); stopped at teardown, which releases every socket it holds."""
+    """A fault_proxy.FaultProxy in front of the emulator's plain port (plain http both ways; no
+    faults until a test adds rules or a random plan); stopped at teardown, which releases
+    every socket it holds."""
     from fault_proxy import FaultProxy
-    p = FaultProxy(emulator.endpoint)
+    p = FaultProxy(emulator.http_endpoint, aliases=[emulator.endpoint])
     p.start()
     yield p
     p.stop()

@@ -7,7 +7,15 @@ one keep-alive upstream connection per client connection, and the upstream origi
 by the proxy's in JSON bodies (so `mediaLink`/`selfLink` lead back here). For each request
 it may inject one fault instead.
 
-    p = FaultProxy(emulator.endpoint).start()
+TLS (issue 42): this proxy stays plain http on both sides. Its faults are about HTTP and TCP
+(statuses, resets, stalls, torn bodies), which TLS would only wrap, and injecting them into
+decrypted streams would need a TLS server per fault; the suite's TLS behaviour is tested in
+test_tls.py instead. So `upstream` must be a plain origin (`emulator.http_endpoint`,
+`FirebaseStorageServer.plain_endpoint`): an https one is refused. `aliases`: more origins
+replaced by the proxy's in JSON bodies (the emulator's links name its https origin even when
+asked on its plain port).
+
+    p = FaultProxy(emulator.http_endpoint, aliases=[emulator.endpoint]).start()
     mount(..., endpoint=p.endpoint)
     p.add_rule(kind="media", name_prefix="dir/x", fault="status", status=503, count=2)
     p.random_faults(kinds=("media",), rate=0.10, seed=7,
@@ -244,9 +252,13 @@ class FaultProxy(LoopbackServer):
 
     thread_name = "fault-proxy"
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, aliases=()) -> None:
         self.upstream = upstream.rstrip("/")
+        self.aliases = [a.rstrip("/") for a in aliases if a and a.rstrip("/") != self.upstream]
         up = urllib.parse.urlsplit(self.upstream)
+        if up.scheme != "http":
+            raise ValueError(f"FaultProxy forwards to plain http only, not {upstream!r}: use "
+                             "emulator.http_endpoint / FirebaseStorageServer.plain_endpoint")
         self._up_host, self._up_port = up.hostname, up.port
         self.list_page_size: int | None = None
         self.rules: list[FaultRule] = []
@@ -466,7 +478,8 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
         data = resp.read()
         resp.close()
         if resp.getheader("Content-Type", "").startswith("application/json"):
-            data = data.replace(self.owner.upstream.encode(), self.owner.endpoint.encode())
+            for origin in (self.owner.upstream, *self.owner.aliases):
+                data = data.replace(origin.encode(), self.owner.endpoint.encode())
         return data
 
     @staticmethod

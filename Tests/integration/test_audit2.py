@@ -94,7 +94,7 @@ def test_prefetch_never_follows_a_directory_the_bucket_turned_into_a_link(mount,
     abucket.upload(AB, "race/a.bin", os.urandom(2 * MiB))
     abucket.upload(AB, "race/sub/c.bin", b"c" * 1000)
     abucket.upload(AB, "race/sub/d.bin", b"d" * 1000)
-    slow = FaultProxy(abucket.endpoint).start()
+    slow = FaultProxy(abucket.http_endpoint, aliases=[abucket.endpoint]).start()
     p = None
     try:
         slow.add_rule(kind="media", name_prefix="race/a.bin", fault="delay", seconds=4)
@@ -186,7 +186,7 @@ EVIL = "esc/evil\x1b]0;PWNED\x07\r\x1b[2Kname.bin"
 
 def test_prefetch_escapes_object_names_it_prints(mount, abucket, storefs_bin):
     abucket.upload(AB, EVIL, b"x" * 100)
-    denied = FaultProxy(abucket.endpoint).start()
+    denied = FaultProxy(abucket.http_endpoint, aliases=[abucket.endpoint]).start()
     try:
         denied.add_rule(kind="media", name_prefix="esc/", fault="status", status=403)
         m = mount(AB, endpoint=denied.endpoint)

@@ -104,7 +104,7 @@ def test_prefetch_names_every_path_it_could_not_fetch(mount, tbucket, proxy, sto
 
 
 def test_ctrl_c_stops_prefetch_and_keeps_what_was_fetched(mount, tbucket, emulator, storefs_bin):
-    slow = FaultProxy(emulator.endpoint).start()
+    slow = FaultProxy(emulator.http_endpoint, aliases=[emulator.endpoint]).start()  # plain both ways
     try:
         m = mount(TB, endpoint=slow.endpoint)
         # Every media request of s2..s5 waits 20 s: prefetch is still busy when Ctrl-C comes.

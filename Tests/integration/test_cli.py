@@ -147,7 +147,8 @@ def test_mount_t_fuse_storefs(mount, emulator, corpus, storefs_bin):
         mnt, cache = mount.new_dir("mnt"), mount.new_dir("cache")
         m = mount.adopt(mnt, cache)
         r = subprocess.run(["mount", "-t", "fuse.storefs", BUCKET, mnt, "-o",
-                            f"endpoint={emulator.endpoint},anonymous,cache_dir={cache}"],
+                            f"endpoint={emulator.endpoint},anonymous,ca_file={mount.ca_file},"
+                            f"cache_dir={cache}"],
                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         entry = mount_at(mnt)

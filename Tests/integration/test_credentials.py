@@ -20,6 +20,7 @@ import urllib.request
 
 import pytest
 
+import tls_fixture
 from auth_fixture import (GOOGLE_TOKEN_AUD, JWT_BEARER, READ_ONLY_SCOPE, jwt_rs256,
                           sign_v4_url, verify_v4_signed_url, write_token_file)
 from firebase_fixture import TOKENS_KEY, v0_url
@@ -83,7 +84,7 @@ def _read(path: str) -> bytes:
 def _http(url, data=None, headers=None, method=None):
     req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=tls_fixture.client_context()) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()

@@ -108,7 +108,7 @@ def upload_stream(emulator, bucket: str, name: str, pattern: Pattern) -> dict:
                      b"Content-Type: application/octet-stream\r\n\r\n"])
     tail = f"\r\n--{boundary}--\r\n".encode()
     path = f"/upload/storage/v1/b/{quote_name(bucket)}/o?uploadType=multipart&name={quote_name(name)}"
-    conn = http.client.HTTPConnection("127.0.0.1", emulator.port, timeout=300)
+    conn = http.client.HTTPConnection("127.0.0.1", emulator.http_port, timeout=300)  # plain: the test's back door
     try:
         conn.putrequest("POST", path)
         conn.putheader("Content-Type", f"multipart/related; boundary={boundary}")
@@ -859,7 +859,7 @@ def test_unmount_while_downloads_retry_503_forever_exits_within_8s(mount, fault_
 
 # ====================================================================== v0 through the proxy
 def test_v0_media_and_metadata_faults_are_retried_bytes_stay_exact(mount, firebase, fdata):
-    p = FaultProxy(firebase.endpoint).start()
+    p = FaultProxy(firebase.plain_endpoint).start()   # FaultProxy is plain http both ways
     try:
         m = mount(FB, endpoint=p.endpoint, options=["protocol=firebase"])
         name = "soak/s-3MiB.bin"

@@ -25,6 +25,7 @@ import uuid
 
 import pytest
 
+import tls_fixture
 from firebase_fixture import BAD_PREFIX_MESSAGE, TOKENS_KEY, v0_url
 from gcs_emulator import quote_name
 from storefs_testlib import errname, errno_of, expected_tree
@@ -93,7 +94,7 @@ def _upload_fresh(emulator, data: bytes, prefix: str = "fresh") -> str:
 def _http(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
     req = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=tls_fixture.client_context()) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
@@ -311,7 +312,8 @@ def test_empty_pages_and_repeated_prefixes(bare_mount, firebase, fbdata):
 
 def _serial_metadata_latency(fb, names: list[str]) -> float:
     """Median seconds of one v0 metadata GET on a keep-alive connection, one at a time."""
-    conn = http.client.HTTPConnection("127.0.0.1", fb.port, timeout=30)
+    conn = http.client.HTTPSConnection("127.0.0.1", fb.port, timeout=30,
+                                       context=tls_fixture.client_context())
     times = []
     try:
         for name in names:

@@ -11,6 +11,8 @@ import os
 import socket
 import threading
 
+import pytest
+
 from storefs_testlib import BUCKET, mount_at, run_storefs
 
 # A bucket of its own: the corpus bucket is listed exactly by other tests.
@@ -84,19 +86,23 @@ class _Trap:
         self.sock.close()
 
 
-def test_proxy_variables_never_reroute_tokens_for_loopback(mount, corpus, tmp_path):
-    """Requests to a loopback endpoint carry tokens in clear: they go straight there,
-    whatever http_proxy/ALL_PROXY say (storefs inherits this test's environment)."""
+@pytest.mark.parametrize("scheme", ["https", "http"])
+def test_proxy_variables_never_reroute_tokens_for_loopback(mount, emulator, corpus, tmp_path,
+                                                           scheme):
+    """Requests to a loopback endpoint go straight there, whatever http(s)_proxy/ALL_PROXY say
+    (storefs inherits this test's environment): over https (the emulator's TLS port) and over
+    plain http (its plain port: there tokens would travel in clear, the case this guards)."""
     token = tmp_path / "token"
     token.write_text("secret-token-value\n")
     token.chmod(0o600)
     trap = _Trap()
-    names = ("http_proxy", "HTTP_PROXY", "ALL_PROXY", "all_proxy")
+    names = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "ALL_PROXY", "all_proxy")
     saved = {k: os.environ.get(k) for k in names}
+    endpoint = emulator.endpoint if scheme == "https" else emulator.http_endpoint
     try:
         for k in names:
             os.environ[k] = f"http://127.0.0.1:{trap.port}"
-        m = mount(BUCKET)
+        m = mount(BUCKET, endpoint=endpoint)
         with open(m.p("files/hello.txt"), "rb") as f:
             assert f.read() == corpus.data["files/hello.txt"]
         assert trap.connections == 0, "a request to the loopback endpoint went to the proxy"

@@ -5,6 +5,10 @@ The link is bench/link's linkproxy (the benchmark's `--link wan`: 30 ms to every
 log says when each ranged GET started and ended, so the tests count the parts that were in
 flight at once: on a far link one stream is slow and only parallel parts fill it, which storefs
 must find with default options, inside memory_limit. Objects live in `link-bucket`.
+
+Plain http on purpose: linkproxy models the link at the HTTP level (it reads each request to
+log it), so it sits in front of the emulator's and the v0 server's plain ports and storefs
+speaks plain http to it; what TLS changes is tested in test_tls.py.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def link_in_front_of(port: int, tmp_path, profile: str | None = None, **settings
 @pytest.fixture
 def wan(lbucket, tmp_path):
     """The `wan` profile in front of the emulator."""
-    with link_in_front_of(lbucket.port, tmp_path, "wan") as proxy:
+    with link_in_front_of(lbucket.http_port, tmp_path, "wan") as proxy:
         yield proxy
 
 
@@ -247,7 +251,7 @@ def test_a_lookup_takes_its_directory_page_when_it_lands_first(mount, lbucket, t
     wait for new connections while the page leaves on the one the previous request freed: a
     file two directories down is read after one round trip per component and the GET, well
     under one connection set-up (waiting for the probes took more than 1.5 s per level)."""
-    with link_in_front_of(lbucket.port, tmp_path, ttfb_ms=20, setup_ms=1500) as proxy:
+    with link_in_front_of(lbucket.http_port, tmp_path, ttfb_ms=20, setup_ms=1500) as proxy:
         m = mount(LB, endpoint=proxy.url)
         started = time.monotonic()
         with open(m.p("tree/d2/f5.txt"), "rb") as f:
@@ -283,7 +287,7 @@ def test_a_firebase_v0_read_right_after_its_lookup_waits_one_round_trip(bare_mou
     and `head -c 1` would then wait a second one for its media GET. The first bytes are asked
     beside the metadata, and the read takes them: one media GET, sent before the metadata's
     answer came back, and none after it."""
-    with link_in_front_of(firebase.port, tmp_path, "wan") as proxy:
+    with link_in_front_of(firebase.plain_port, tmp_path, "wan") as proxy:
         m = bare_mount(LB, endpoint=proxy.url, options=["protocol=firebase", "anonymous"])
         for name in ("tree/d1/f3.txt", "tree/d1/f7.txt"):
             proxy.reset_stats()
@@ -331,7 +335,7 @@ def test_readers_opening_a_file_at_once_never_wait_in_open_for_each_others_reads
     files = {f"opens/f{i}.bin": random.Random(100 + i).randbytes(4 * MiB) for i in range(6)}
     for name, data in files.items():
         lbucket.upload(LB, name, data)
-    with link_in_front_of(lbucket.port, tmp_path, ttfb_ms=400, conn_mibps=50, total_mibps=1024) as proxy:
+    with link_in_front_of(lbucket.http_port, tmp_path, ttfb_ms=400, conn_mibps=50, total_mibps=1024) as proxy:
         m = mount(LB, endpoint=proxy.url)
         readers, piece = 8, 512 * 1024
         waits = []

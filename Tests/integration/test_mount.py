@@ -71,7 +71,7 @@ def test_mount_a_twice_is_idempotent(mount, emulator, corpus, storefs_bin):
     with open(fstab, "w") as f:
         for source, mnt in zip(forms, points):
             f.write(f"{source} {mnt} fuse.storefs endpoint={emulator.endpoint},anonymous,"
-                    f"cache_dir={mount.new_dir('cache')},_netdev,nofail 0 0\n")
+                    f"ca_file={mount.ca_file},cache_dir={mount.new_dir('cache')},_netdev,nofail 0 0\n")
     for source, mnt in zip(forms, points):
         mount.adopt(mnt, "")
     with storefs_on_path(storefs_bin):

@@ -281,7 +281,7 @@ def test_install_mount_t_and_purge(deb, mount, emulator, corpus):
         mnt, cache = mount.new_dir("mnt"), mount.new_dir("cache")
         out = mount.new_dir("ns-out")
         adopted = mount.adopt(mnt, cache)
-        opts = f"endpoint={emulator.endpoint},anonymous,cache_dir={cache}"
+        opts = f"endpoint={emulator.endpoint},anonymous,ca_file={mount.ca_file},cache_dir={cache}"
         r = run(["unshare", "--mount", "--propagation", "private", "bash", "-c", NS_SCRIPT,
                  "ns-script", toolchain_lib_dir(), mnt, opts, out, BUCKET, HELLO, BOOT_PATH],
                 timeout=120)

@@ -5,6 +5,7 @@ import errno
 import os
 import urllib.request
 
+import tls_fixture
 from gcs_emulator import quote_name
 from storefs_testlib import BUCKET, errname, errno_of
 
@@ -26,7 +27,7 @@ def test_download_url_with_firebase_token(mount, corpus, emulator):
     name = corpus.TOKEN   # "meta/with token.txt", tokens "tok-1,tok-2"
     url = _get(m.p(name), P + "download_url")
     assert url == f"{emulator.endpoint}/download/storage/v1/b/test-bucket/o/meta%2Fwith%20token.txt?alt=media"
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=10, context=tls_fixture.client_context()) as r:
         assert r.read() == corpus.data[name]
 
 
@@ -37,7 +38,7 @@ def test_download_url_without_token_is_public_url_of_the_endpoint(mount, corpus,
     for name in [corpus.PLAIN, "odd/ünïcødé-日本.txt", "odd/hash#tag.txt", "odd/100%.txt", "odd/what?.txt"]:
         url = _get(m.p(name), P + "download_url")
         assert url == f"{emulator.endpoint}/download/storage/v1/b/{BUCKET}/o/{quote_name(name)}?alt=media"
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(url, timeout=10, context=tls_fixture.client_context()) as r:
             assert r.read() == corpus.data[name], f"{url} does not serve {name}"
 
 
