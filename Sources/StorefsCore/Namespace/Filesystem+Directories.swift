@@ -211,11 +211,11 @@ extension Filesystem {
     /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
     func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> ListingSnapshot {
         if let l = freshSnapshot(dirPath) { return l }
-        if let outage = health.outage {
-            guard let old = listings.withLock({ $0.last(ByteName(dirPath)) }) else { throw FilesystemError(outage) }
+        if let outage = health.outage, let old = listings.withLock({ $0.last(ByteName(dirPath)) }) {
             Log.info("op=readdir path=\(dirPath) answering from a stale listing (the bucket is unreachable: \(outage.message))")
             return old
         }
+        if let refused = health.refusal { throw FilesystemError(refused) }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
         // One listing of a directory at a time: later askers wait for the one under way.
         let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
@@ -278,6 +278,9 @@ extension Filesystem {
     func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?, into stream: ListingStream? = nil,
                       firstPage: (() -> Void)? = nil) throws(FilesystemError) -> ListingSnapshot {
         let prefix = listingPrefix(of: dirPath)
+        // During an outage one operation at a time asks (BucketHealth).
+        let asking = try admitted()
+        defer { asking?.end() }
         let started = now()
         let stream = stream ?? ListingStream(prefix: prefix)
         var token: String? = nil
@@ -415,11 +418,13 @@ extension Filesystem {
         if let node = table.withLock({ tb in tb.inode(of: key).flatMap { tb.nodes[$0] } }), t - node.fetched < config.statTTL {
             return (node.kind, node.fetched)
         }
-        if let outage = health.outage {
-            if case .success(let answer)? = lastKnown(path, parentPath: parentPath, name: listing.names[index]) { return answer }
-            throw FilesystemError(outage)
+        if health.outage != nil, case .success(let answer)? = lastKnown(path, parentPath: parentPath, name: listing.names[index]) {
+            return answer
         }
+        if let refused = health.refusal { throw FilesystemError(refused) }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "size of \(path) needs the bucket") }
+        let asking = try admitted()
+        defer { asking?.end() }
         var batch = [index]
         var i = index + 1
         while batch.count < max(1, config.metadataParallelism), i < listing.count {

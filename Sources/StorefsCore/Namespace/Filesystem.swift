@@ -315,12 +315,13 @@ public final class Filesystem: Sendable {
         // The first page of the parent, fetched beside an earlier lookup there, answers for
         // the names it reaches (docs/architecture.md, "Lookups in one round trip").
         if let answer = firstPageAnswer(parentPath, name: name, refreshing: skipInode != nil) { return try answer.get() }
-        // The bucket is known not to answer: what we know answers at once (BucketHealth).
-        if let outage = health.outage {
-            if let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
-            throw FilesystemError(outage)
-        }
+        // The bucket is known not to answer: what we know answers at once, and of the rest one
+        // operation at a time asks (BucketHealth).
+        if health.outage != nil, let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
+        if let refused = health.refusal { throw FilesystemError(refused) }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
+        let asking = try admitted()
+        defer { asking?.end() }
         let objectName = objectName(of: path)
         let race = LookupRace()
         fetchFirstPage(parentPath, race: race)
@@ -511,6 +512,12 @@ public final class Filesystem: Sendable {
         var h: UInt64 = 0xcbf2_9ce4_8422_2325
         for b in path.utf8 { h = (h ^ UInt64(b)) &* 0x100_0000_01b3 }
         return h | (1 << 63)
+    }
+
+    /// May this operation ask the bucket (`BucketHealth.admit`)? The probe it may be given is
+    /// ended by the caller once it has noted what it found.
+    func admitted() throws(FilesystemError) -> BucketHealth.Probe? {
+        do throws(StorageError) { return try health.admit() } catch { throw FilesystemError(error) }
     }
 
     /// The bucket cannot answer right now (as opposed to answering "no").

@@ -1,0 +1,184 @@
+"""Outages and interrupts seen from outside (issue 49): a server that comes back is asked
+again at once, an interrupt is never taken for an outage, cached bytes answer whatever the
+bucket does, and a handled signal ends any read promptly (docs/security.md, "Time bounds").
+
+Objects live in `faults2-bucket`; every mount goes through the `fault_proxy` fixture.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from storefs_testlib import default_signals, read_whole
+
+F2 = "faults2-bucket"
+KiB, MiB = 1 << 10, 1 << 20
+
+CACHED = "obj/c.bin"
+STALLED = "intr/direct.bin"
+BACK = "back/uncached.bin"
+DOWN = "back/first.bin"
+PROBE = "back/probe.bin"
+REFUSED = "back/refused.bin"
+OUTAGE = ["response_timeout=2", "request_timeout=3"]
+
+# A reader that handles SIGINT and calls pread(2) itself (no retry on EINTR, as Python's
+# os.pread would), with O_DIRECT: prints {"rc", "errno", "elapsed", "after_signal"}.
+DIRECT_READER = textwrap.dedent("""
+    import ctypes, json, mmap, os, signal, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.pread.restype = ctypes.c_ssize_t
+    libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    got = []
+    signal.signal(signal.SIGINT, lambda s, f: got.append(time.monotonic()))
+    path, n = sys.argv[1], int(sys.argv[2])
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, n)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    t0 = time.monotonic()
+    rc = libc.pread(fd, addr, n, 0)
+    err = ctypes.get_errno()
+    t1 = time.monotonic()
+    print(json.dumps({"rc": rc, "errno": err if rc < 0 else 0, "elapsed": t1 - t0,
+                      "after_signal": (t1 - got[0]) if got else None}), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def f2data(emulator) -> dict[str, bytes]:
+    emulator.create_bucket(F2, exist_ok=True)
+    rng = random.Random(49)
+    data = {CACHED: rng.randbytes(256 * KiB), STALLED: rng.randbytes(4 * MiB),
+            BACK: rng.randbytes(300 * KiB), DOWN: rng.randbytes(64 * KiB),
+            PROBE: rng.randbytes(64 * KiB), REFUSED: rng.randbytes(64 * KiB)}
+    for name, body in data.items():
+        assert int(emulator.upload(F2, name, body)["size"]) == len(body), name
+    return data
+
+
+def wait_for(cond, timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return bool(cond())
+
+
+@pytest.mark.parametrize("fault", [{"fault": "blackhole"},
+                                   {"fault": "stall_mid_body", "seconds": 60, "fraction": 0.25}],
+                         ids=["blackhole", "stall_mid_body"])
+def test_sigint_ends_an_o_direct_read_of_2mib_with_eintr_and_a_cached_file_still_reads(
+        mount, fault_proxy, f2data, fault):
+    m = mount(F2, endpoint=fault_proxy.endpoint, options=["response_timeout=10", "request_timeout=60"])
+    assert read_whole(m.p(CACHED)) == f2data[CACHED]
+    os.stat(m.p(STALLED))
+    fault_proxy.add_rule(kind="media", name_prefix=STALLED, **fault)
+    proc = subprocess.Popen([sys.executable, "-c", DIRECT_READER, m.p(STALLED), str(2 * MiB)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
+    try:
+        assert wait_for(lambda: fault_proxy.requests("media", fault=fault["fault"]), 10), \
+            "the read's media request never reached the server"
+        time.sleep(1.0)
+        assert proc.poll() is None, f"the reader ended before the signal: {proc.communicate()}"
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            out, err = None, None
+    finally:
+        if proc.poll() is None:
+            fault_proxy.release()
+            fault_proxy.clear_rules()
+            try:
+                proc.communicate(timeout=80)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert out is not None, "the O_DIRECT pread was still blocked 5 s after a handled SIGINT"
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["rc"] == -1 and result["errno"] == errno.EINTR, \
+        f"pread after SIGINT: {result} (want EINTR); stderr {err}"
+    assert result["after_signal"] is not None and result["after_signal"] < 3, result
+    # The server still holds every media request: a cached file reads without it.
+    t0 = time.monotonic()
+    assert read_whole(m.p(CACHED)) == f2data[CACHED], "a cached file did not read after the interrupt"
+    assert time.monotonic() - t0 < 2
+
+
+def timed_read(path: str):
+    """(seconds, bytes or the OSError)."""
+    t0 = time.monotonic()
+    try:
+        got = read_whole(path)
+    except OSError as exc:
+        got = exc
+    return time.monotonic() - t0, got
+
+
+def _start_outage(m, fault_proxy, f2data) -> None:
+    """Every name known and one file cached; then every media request is held, and a read of
+    an uncached file fails for good (EIO within request_timeout): an outage is assumed."""
+    assert read_whole(m.p(CACHED)) == f2data[CACHED]
+    for name in (BACK, DOWN, PROBE, REFUSED):
+        assert os.stat(m.p(name)).st_size == len(f2data[name])
+    fault_proxy.add_rule(kind="media", fault="blackhole")
+    took, got = timed_read(m.p(DOWN))
+    assert isinstance(got, OSError) and got.errno == errno.EIO, f"{got!r} after {took:.1f} s"
+    assert took < 10, f"the failing read took {took:.1f} s"
+
+
+def _release(fault_proxy) -> None:
+    fault_proxy.clear_rules()
+    fault_proxy.release()
+
+
+def test_a_read_issued_after_the_server_is_back_succeeds_within_the_outage_hold(mount, fault_proxy, f2data):
+    m = mount(F2, endpoint=fault_proxy.endpoint, options=OUTAGE)
+    try:
+        _start_outage(m, fault_proxy, f2data)
+        # Kept: during the outage cached bytes and known attributes answer without asking.
+        asked = len(fault_proxy.requests())
+        took, got = timed_read(m.p(CACHED))
+        assert got == f2data[CACHED] and took < 1, f"cached read during the outage: {took:.2f} s"
+        assert os.stat(m.p(BACK)).st_size == len(f2data[BACK])
+        assert len(fault_proxy.requests()) == asked, \
+            [(r.kind, r.name or r.prefix) for r in fault_proxy.requests()[asked:]]
+    finally:
+        _release(fault_proxy)
+    # The server is back, well inside BucketHealth's 5 s hold: the next read asks it.
+    took, got = timed_read(m.p(BACK))
+    assert got == f2data[BACK], \
+        f"a read issued after the server came back failed: {got!r} after {took:.2f} s"
+    assert fault_proxy.requests("media", name_prefix=BACK), "the read did not ask the server"
+
+
+def test_during_an_outage_one_read_asks_and_another_fails_at_once(mount, fault_proxy, f2data):
+    m = mount(F2, endpoint=fault_proxy.endpoint, options=OUTAGE)
+    result: dict = {}
+    try:
+        _start_outage(m, fault_proxy, f2data)
+        import threading
+        probe = threading.Thread(target=lambda: result.update(probe=timed_read(m.p(PROBE))), daemon=True)
+        probe.start()
+        asked = wait_for(lambda: fault_proxy.requests("media", name_prefix=PROBE), 5)
+        took, got = timed_read(m.p(REFUSED))
+        probe.join(15)
+    finally:
+        _release(fault_proxy)
+    assert asked, f"no read asked the server during the outage (the probe): {result}"
+    assert isinstance(got, OSError) and got.errno == errno.EIO and took < 1.5, \
+        f"a second read while the probe asks: {got!r} after {took:.2f} s (want EIO at once)"
+    assert not fault_proxy.requests("media", name_prefix=REFUSED), "two reads asked at once"
+    assert not probe.is_alive(), "the probe's read never ended"
