@@ -418,7 +418,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         st.f_files = fsfilcnt_t(usage.files)
         st.f_ffree = fsfilcnt_t(usage.freeFiles)
         st.f_favail = fsfilcnt_t(usage.freeFiles)
-        st.f_namemax = 1024
+        st.f_namemax = UInt(usage.maxNameLength)
         st.f_flag = UInt(ST_RDONLY)
         _ = fuse_reply_statfs(req, &st)
         OpTrace.record(.statfs, inode: UInt64(ino), errno: 0, started: started)

@@ -177,7 +177,9 @@ public final class Filesystem: Sendable {
     public func lookup(parent: UInt64, name: String, network: Network = .allowed) throws(FilesystemError) -> FileAttributes {
         let parentPath = try directoryPath(parent)
         guard DirectoryListing.isRepresentable(name), !name.containsSlash else {
-            if name.utf8.count > 255 { throw FilesystemError(.nameTooLong, "name longer than 255 bytes") }
+            if name.utf8.count > DirectoryListing.maxNameBytes {
+                throw FilesystemError(.nameTooLong, "name longer than \(DirectoryListing.maxNameBytes) bytes")
+            }
             throw FilesystemError(.noEntry, "name cannot be a path component")
         }
         let path = Self.join(parentPath, name)
