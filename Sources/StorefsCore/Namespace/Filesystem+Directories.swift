@@ -205,6 +205,13 @@ extension Filesystem {
         freshSnapshot(dirPath).map { ($0.listing, $0.fetched) }
     }
 
+    /// How long a listing says a name it holds is there: `list_ttl` for a directory someone
+    /// listed; `stat_ttl` (at most) for names learnt beside a lookup, whose own answer would
+    /// have been trusted that long (issue 49, item 8: gcsfuse's dentry-cache tests).
+    func presentTTL(learntByLookup: Bool) -> Double {
+        learntByLookup ? min(config.statTTL, config.listTTL) : config.listTTL
+    }
+
     /// Cached listings and the entries they hold (tests).
     var cachedListingCounts: (listings: Int, entries: Int) { listings.withLock { ($0.count, $0.entryCount) } }
 
@@ -326,8 +333,9 @@ extension Filesystem {
     /// A whole listing just fetched: logged shadows, cached for list_ttl (unless a newer one
     /// is there already), stored for offline use.
     @discardableResult
-    func keepListing(_ dirPath: String, _ listing: DirectoryListing, fetched: Double) -> ListingSnapshot {
-        let snapshot = ListingSnapshot(listing, fetched: fetched)
+    func keepListing(_ dirPath: String, _ listing: DirectoryListing, fetched: Double,
+                     learntByLookup: Bool = false) -> ListingSnapshot {
+        let snapshot = ListingSnapshot(listing, fetched: fetched, learntByLookup: learntByLookup)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
             if shadowLogged.withLock({ $0.count < 65_536 && $0.insert(ByteName(full)).inserted }) {
@@ -394,7 +402,7 @@ extension Filesystem {
         var builder = DirectoryListing.Builder(prefix: prefix)
         builder.add(page)
         if page.nextPageToken == nil {
-            keepListing(dirPath, builder.build(), fetched: fetched)
+            keepListing(dirPath, builder.build(), fetched: fetched, learntByLookup: true)
             return nil
         }
         return .init(listing: builder.build(), reached: FirstPageCache.reached(by: page, prefix: prefix), fetched: fetched)

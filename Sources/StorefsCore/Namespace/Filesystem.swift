@@ -290,14 +290,19 @@ public final class Filesystem: Sendable {
                  skipInode: UInt64? = nil) throws(FilesystemError) -> (Node.Kind, Double) {
         let t = now()
         let key = ByteName(path)
-        if let (listing, fetched) = freshListing(parentPath) {
+        if let snapshot = freshSnapshot(parentPath) {
+            let (listing, fetched) = (snapshot.listing, snapshot.fetched)
             if let index = listing.index(of: name) {
-                if let kind = listing.entries[index].nodeKind { return (kind, fetched) }
-                return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
+                // A listing learnt beside a lookup vouches for its names for `stat_ttl` only.
+                if t - fetched < presentTTL(learntByLookup: snapshot.learntByLookup) {
+                    if let kind = listing.entries[index].nodeKind { return (kind, fetched) }
+                    return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
+                }
+            } else if t - fetched < config.negativeTTL {
+                // A listing says "absent" for `negative_ttl` only, as a missing name does: a name
+                // that appeared since is found by a probe (README, "Namespace semantics").
+                throw FilesystemError(.noEntry, "no \(path)")
             }
-            // A listing says "absent" for `negative_ttl` only, as a missing name does: a name
-            // that appeared since is found by a probe (README, "Namespace semantics").
-            if t - fetched < config.negativeTTL { throw FilesystemError(.noEntry, "no \(path)") }
         }
         if let node = table.withLock({ tb -> Node? in
             guard let ino = tb.inode(of: key), ino != skipInode, let n = tb.nodes[ino], t - n.fetched < config.statTTL else { return nil }
@@ -339,7 +344,9 @@ public final class Filesystem: Sendable {
             switch try probe(objectName, race: race, isCancelled: isCancelled, orFromPage: { [self] in
                 // The page landed first (its request went out on a warm connection while the
                 // probe's may still be opening theirs): it answers as well as the probe would.
-                if let (listing, fetched) = freshListing(parentPath), let index = listing.index(of: name) {
+                if let snapshot = freshSnapshot(parentPath), let index = snapshot.listing.index(of: name),
+                   now() - snapshot.fetched < presentTTL(learntByLookup: snapshot.learntByLookup) {
+                    let (listing, fetched) = (snapshot.listing, snapshot.fetched)
                     // A refresh asks the bucket about a file: its own record is what is stale.
                     guard let kind = listing.entries[index].nodeKind, skipInode == nil || kind == .directory else { return nil }
                     return .success((kind, fetched))
@@ -408,9 +415,12 @@ public final class Filesystem: Sendable {
         let t = now()
         guard let page = firstPages.withLock({ $0.page(ByteName(parentPath)) }), t - page.fetched < config.listTTL,
               let answer = FirstPageCache.answer(page, name: name) else { return nil }
+        // A page is fetched beside a lookup: it vouches for the names it holds for `stat_ttl`
+        // only, as that lookup's own answer would be, and for an absence for `negative_ttl`.
+        let present = t - page.fetched < presentTTL(learntByLookup: true)
         switch answer {
-        case .directory?: return .success((.directory, page.fetched))
-        case .file(let r)? where !refreshing: return .success((.file(r), page.fetched))
+        case .directory? where present: return .success((.directory, page.fetched))
+        case .file(let r)? where !refreshing && present: return .success((.file(r), page.fetched))
         case nil where t - page.fetched < config.negativeTTL:
             return .failure(FilesystemError(.noEntry, "no \(parentPath.isEmpty ? name : parentPath + "/" + name)"))
         default: return nil  // a size to fetch (v0), a refresh, or an old "absent": ask the bucket
