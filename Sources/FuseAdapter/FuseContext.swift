@@ -18,6 +18,8 @@ final class FuseContext: Sendable {
     let readWorkers: Int
     /// Reads that miss the cache and are served on the FUSE thread that received them.
     let inlineMisses: InlineMisses
+    /// Reads waiting for a read worker, which an INTERRUPT answers at once.
+    let queuedReads = QueuedReads()
     private let session = Mutex<SessionPointer?>(nil)
     /// Lookups, attribute refreshes and listings that need the bucket: a stalled server ties up
     /// these threads, never FUSE's (so cached reads go on), and at most this many at once.
@@ -89,6 +91,37 @@ final class InlineMisses: Sendable {
     }
 
     func leave() { count.subtract(1, ordering: .relaxed) }
+}
+
+/// Reads handed to a read worker and not yet taken by one. Every read worker may be waiting on
+/// a server that stalls (for up to `request_timeout`), and a read queued behind them would see
+/// its INTERRUPT only once a worker took it: so each is registered with libfuse's interrupt
+/// callback (`fuse_req_interrupt_func`), which answers it EINTR at once if it is still here,
+/// and the worker that takes it later skips it. A handled signal (Ctrl-C in a program that
+/// catches it) then ends every read request of the interrupted `read(2)` promptly, whatever
+/// the workers are waiting on. Keyed by the request's address: an entry leaves before its
+/// request is answered (and freed), so no address is ever seen twice while here.
+final class QueuedReads: Sendable {
+    struct Entry: Sendable {
+        let inode: UInt64
+        let started: Double
+    }
+
+    private let waiting = Mutex([Int: Entry]())
+
+    private static func key(_ raw: fuse_req_t) -> Int { Int(bitPattern: raw) }
+
+    func add(_ r: Request, inode: UInt64, started: Double) {
+        waiting.withLock { $0[Self.key(r.raw)] = Entry(inode: inode, started: started) }
+    }
+
+    /// A worker takes the read: false if its INTERRUPT answered it already.
+    func take(_ r: Request) -> Bool { waiting.withLock { $0.removeValue(forKey: Self.key(r.raw)) != nil } }
+
+    /// Its INTERRUPT came: the entry if the read is still waiting (the caller answers it).
+    func interrupted(_ raw: fuse_req_t) -> Entry? { waiting.withLock { $0.removeValue(forKey: Self.key(raw)) } }
+
+    var count: Int { waiting.withLock { $0.count } }
 }
 
 /// A `fuse_req_t` that may cross to a worker thread (libfuse allows replying from any thread).

@@ -69,6 +69,18 @@ private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escapin
     }
 }
 
+/// libfuse's interrupt callback for a read waiting for a worker (`QueuedReads`): answers it
+/// EINTR if no worker has taken it yet. Called on the thread that read the INTERRUPT (or on
+/// the one registering, for an INTERRUPT already received), with the request still alive.
+private let queuedReadInterrupted: fuse_interrupt_func_t = { req, _ in
+    let ctx = context(req)
+    guard let entry = ctx.queuedReads.interrupted(req!) else { return }  // a worker serves it
+    let e = Errno.value(for: .storage(.cancelled))
+    _ = fuse_reply_err(req, e)
+    OpTrace.record(.read, inode: entry.inode, errno: e, started: entry.started)
+    ctx.inFlight.subtract(1, ordering: .releasing)
+}
+
 private func replyReadOnly(_ req: fuse_req_t?, _ op: FuseOp, _ inode: fuse_ino_t) {
     let e = Errno.value(for: .readOnly)
     _ = fuse_reply_err(req, e)
@@ -375,7 +387,17 @@ func makeOperations() -> fuse_lowlevel_ops {
             defer { ctx.inlineMisses.leave() }
             serve()
         } else {
-            ctx.workers.submit(serve)
+            // Until a worker takes it, its INTERRUPT answers it (QueuedReads); registered after
+            // the entry, since libfuse calls back at once for an INTERRUPT already received.
+            ctx.queuedReads.add(r, inode: inode, started: started)
+            fuse_req_interrupt_func(req, queuedReadInterrupted, nil)
+            ctx.workers.submit {
+                guard ctx.queuedReads.take(r) else {
+                    ctx.buffers.give(lease.buffer)  // answered at its INTERRUPT, which counted the reply
+                    return
+                }
+                serve()
+            }
         }
     }
 

@@ -31,6 +31,8 @@ DOWN = "back/first.bin"
 PROBE = "back/probe.bin"
 REFUSED = "back/refused.bin"
 OUTAGE = ["response_timeout=2", "request_timeout=3"]
+QUEUE = [f"queue/f{i:02d}.bin" for i in range(40)]
+QUEUED = "queue/interrupted.bin"
 
 # A reader that handles SIGINT and calls pread(2) itself (no retry on EINTR, as Python's
 # os.pread would), with O_DIRECT: prints {"rc", "errno", "elapsed", "after_signal"}.
@@ -61,6 +63,8 @@ def f2data(emulator) -> dict[str, bytes]:
     data = {CACHED: rng.randbytes(256 * KiB), STALLED: rng.randbytes(4 * MiB),
             BACK: rng.randbytes(300 * KiB), DOWN: rng.randbytes(64 * KiB),
             PROBE: rng.randbytes(64 * KiB), REFUSED: rng.randbytes(64 * KiB)}
+    for name in QUEUE + [QUEUED]:
+        data[name] = rng.randbytes(64 * KiB)
     for name, body in data.items():
         assert int(emulator.upload(F2, name, body)["size"]) == len(body), name
     return data
@@ -182,3 +186,72 @@ def test_during_an_outage_one_read_asks_and_another_fails_at_once(mount, fault_p
         f"a second read while the probe asks: {got!r} after {took:.2f} s (want EIO at once)"
     assert not fault_proxy.requests("media", name_prefix=REFUSED), "two reads asked at once"
     assert not probe.is_alive(), "the probe's read never ended"
+
+
+def direct_pread(path: str, n: int) -> bytes:
+    """One O_DIRECT pread at 0: a request of the reading thread, not a background one (the
+    kernel holds at most 12 of those in flight), so 40 of them reach storefs at once."""
+    import mmap
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, n)
+        return bytes(buf[:os.preadv(fd, [buf], 0)])
+    finally:
+        os.close(fd)
+
+
+def test_sigint_ends_an_o_direct_read_queued_behind_stalled_read_workers_with_eintr(mount, fault_proxy, f2data):
+    """40 reads wait on a server that holds every answer: 16 on FUSE threads, 16 on the read
+    workers, 8 queued for a worker (docs/architecture.md, "Threads"). A reader that handles
+    SIGINT, queued behind them, gets EINTR at once: its INTERRUPT answers it, it does not wait
+    for a worker to come free (request_timeout)."""
+    import threading
+    m = mount(F2, endpoint=fault_proxy.endpoint, options=["response_timeout=30", "request_timeout=30"])
+    assert read_whole(m.p(CACHED)) == f2data[CACHED]      # a download: the server is near
+    for name in QUEUE + [QUEUED]:
+        os.stat(m.p(name))
+    fault_proxy.add_rule(kind="media", name_prefix="queue/", fault="blackhole")
+    results: dict = {}
+
+    def stalled(name):
+        try:
+            results[name] = direct_pread(m.p(name), 64 * KiB)
+        except OSError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=stalled, args=(n,), daemon=True) for n in QUEUE]
+    proc = None
+    out = err = None
+    try:
+        for t in threads:
+            t.start()
+        held = wait_for(lambda: len(fault_proxy.requests("media", fault="blackhole")) >= 32, 15)
+        assert held, f"only {len(fault_proxy.requests('media', fault='blackhole'))} reads reached the server"
+        time.sleep(0.5)
+        proc = subprocess.Popen([sys.executable, "-c", DIRECT_READER, m.p(QUEUED), str(64 * KiB)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_signals)
+        time.sleep(1.0)
+        assert proc.poll() is None, f"the reader ended before the signal: {proc.communicate()}"
+        queued = not fault_proxy.requests("media", name_prefix=QUEUED)
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        _release(fault_proxy)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=10)
+        for t in threads:
+            t.join(60)
+    assert queued, "the interrupted read reached the server: it was not queued behind the workers"
+    assert out is not None, "a queued O_DIRECT pread was still blocked 5 s after a handled SIGINT"
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["rc"] == -1 and result["errno"] == errno.EINTR, f"pread after SIGINT: {result}; stderr {err}"
+    assert result["after_signal"] is not None and result["after_signal"] < 3, result
+    assert not any(t.is_alive() for t in threads), "stalled reads still blocked after the server let go"
