@@ -48,8 +48,14 @@ DIRECT_READER = textwrap.dedent("""
     buf = mmap.mmap(-1, n)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     t0 = time.monotonic()
-    rc = libc.pread(fd, addr, n, 0)
-    err = ctypes.get_errno()
+    if os.environ.get("STOREFS_TEST_OS_PREAD"):   # CPython's own pread: retried on EINTR (PEP 475)
+        try:
+            rc, err = os.preadv(fd, [buf], 0), 0
+        except OSError as exc:
+            rc, err = -1, exc.errno
+    else:
+        rc = libc.pread(fd, addr, n, 0)
+        err = ctypes.get_errno()
     t1 = time.monotonic()
     print(json.dumps({"rc": rc, "errno": err if rc < 0 else 0, "elapsed": t1 - t0,
                       "after_signal": (t1 - got[0]) if got else None}), flush=True)
@@ -255,3 +261,42 @@ def test_sigint_ends_an_o_direct_read_queued_behind_stalled_read_workers_with_ei
     assert result["rc"] == -1 and result["errno"] == errno.EINTR, f"pread after SIGINT: {result}; stderr {err}"
     assert result["after_signal"] is not None and result["after_signal"] < 3, result
     assert not any(t.is_alive() for t in threads), "stalled reads still blocked after the server let go"
+
+
+def test_a_python_reader_whose_sigint_handler_returns_reads_again_and_a_cached_file_still_reads(
+        mount, fault_proxy, f2data):
+    """Issue 49's reproduction, explained (docs/fuse-notes.md, item 11): the INTERRUPT is
+    answered EINTR at once, but CPython's os.pread retries on EINTR when the handler returns
+    normally (PEP 475); the retried read is not interrupted and fails with EIO after
+    request_timeout, as any read of a server that never answers. Cached bytes read at once
+    after it, outage or not."""
+    m = mount(F2, endpoint=fault_proxy.endpoint,
+              options=["response_timeout=4", "request_timeout=4", "log_level=debug"])
+    assert read_whole(m.p(CACHED)) == f2data[CACHED]
+    os.stat(m.p(STALLED))
+    fault_proxy.add_rule(kind="media", name_prefix=STALLED, fault="blackhole")
+    proc = subprocess.Popen([sys.executable, "-c", DIRECT_READER, m.p(STALLED), str(2 * MiB)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, STOREFS_TEST_OS_PREAD="1"), preexec_fn=default_signals)
+    try:
+        assert wait_for(lambda: fault_proxy.requests("media", fault="blackhole"), 10), \
+            "the read's media request never reached the server"
+        time.sleep(1.0)
+        assert proc.poll() is None, f"the reader ended before the signal: {proc.communicate()}"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    result = json.loads(out.strip().splitlines()[-1])
+    log = m.stderr()
+    assert "result=EINTR" in log, "storefs did not answer the INTERRUPT with EINTR"
+    assert result["rc"] == -1 and result["errno"] == errno.EIO and 3 < result["after_signal"] < 10, \
+        f"want EIO about request_timeout after the signal (the retried read): {result}"
+    t0 = time.monotonic()
+    try:
+        assert read_whole(m.p(CACHED)) == f2data[CACHED], "a cached file did not read after the interrupt"
+        assert time.monotonic() - t0 < 2
+    finally:
+        _release(fault_proxy)
