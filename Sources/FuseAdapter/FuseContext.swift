@@ -107,6 +107,8 @@ final class QueuedReads: Sendable {
         let started: Double
     }
 
+    /// A leaf lock (nothing is taken or replied under it); libfuse holds the request's own
+    /// lock around the interrupt callback that takes it.
     private let waiting = Mutex([Int: Entry]())
 
     private static func key(_ raw: fuse_req_t) -> Int { Int(bitPattern: raw) }

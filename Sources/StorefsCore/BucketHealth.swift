@@ -27,6 +27,7 @@ public final class BucketHealth: Sendable {
         var probing = false
     }
 
+    /// A leaf lock: nothing else is taken under it, and no I/O.
     private let state = Mutex(State())
     /// Whether an outage was noted: every read and download looks, so the common answer
     /// ("no") takes no lock.
