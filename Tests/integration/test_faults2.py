@@ -33,6 +33,8 @@ REFUSED = "back/refused.bin"
 OUTAGE = ["response_timeout=2", "request_timeout=3"]
 QUEUE = [f"queue/f{i:02d}.bin" for i in range(40)]
 QUEUED = "queue/interrupted.bin"
+META_DIRS = [f"meta/d{i:02d}" for i in range(72)]
+META_FREE = "meta/free"          # a directory no stalled lookup is in (the kernel serialises one's)
 
 # A reader that handles SIGINT and calls pread(2) itself (no retry on EINTR, as Python's
 # os.pread would), with O_DIRECT: prints {"rc", "errno", "elapsed", "after_signal"}.
@@ -71,6 +73,8 @@ def f2data(emulator) -> dict[str, bytes]:
             PROBE: rng.randbytes(64 * KiB), REFUSED: rng.randbytes(64 * KiB)}
     for name in QUEUE + [QUEUED]:
         data[name] = rng.randbytes(64 * KiB)
+    for d in META_DIRS + [META_FREE]:
+        data[d + "/f.txt"] = b"f\n"
     for name, body in data.items():
         assert int(emulator.upload(F2, name, body)["size"]) == len(body), name
     return data
@@ -300,3 +304,71 @@ def test_a_python_reader_whose_sigint_handler_returns_reads_again_and_a_cached_f
         assert time.monotonic() - t0 < 2
     finally:
         _release(fault_proxy)
+
+
+# A process that handles SIGINT and calls stat(2) itself (no retry on EINTR).
+STATTER = textwrap.dedent("""
+    import ctypes, json, signal, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = []
+    signal.signal(signal.SIGINT, lambda s, f: got.append(time.monotonic()))
+    buf = ctypes.create_string_buffer(512)
+    t0 = time.monotonic()
+    rc = libc.stat(sys.argv[1].encode(), buf)
+    err = ctypes.get_errno()
+    t1 = time.monotonic()
+    print(json.dumps({"rc": rc, "errno": err if rc < 0 else 0, "elapsed": t1 - t0,
+                      "after_signal": (t1 - got[0]) if got else None}), flush=True)
+""")
+
+
+def test_sigint_ends_a_stat_queued_behind_64_stalled_lookups_with_eintr(mount, fault_proxy, f2data):
+    """72 lookups of names in 72 directories wait on a server that holds every answer: 64 hold
+    the metadata workers, 8 are queued. A stat of another name, from a process that handles
+    SIGINT, waits behind them for a worker; its INTERRUPT answers it EINTR at once."""
+    import threading
+    m = mount(F2, endpoint=fault_proxy.endpoint, options=["response_timeout=30", "request_timeout=30"])
+    for d in META_DIRS + [META_FREE]:
+        os.stat(m.p(d))
+    stalled = [d + "/stall" for d in META_DIRS]
+    fault_proxy.add_rule(kind=("metadata", "list"), fault="blackhole",
+                         match=lambda r: (r.name or r.prefix or "").startswith("meta/d"))
+    threads = [threading.Thread(target=lambda n=n: os.path.exists(m.p(n)), daemon=True) for n in stalled]
+    proc = None
+    out = err = None
+    try:
+        for t in threads:
+            t.start()
+
+        def held():
+            return {(r.name or r.prefix or "").split("/")[1] for r in fault_proxy.requests(fault="blackhole")}
+
+        # Their requests wait on 16 probe threads (docs/architecture.md, "Threads"), so only some
+        # reach the server; every lookup holds a metadata worker meanwhile.
+        assert wait_for(lambda: len(held()) >= 4, 15), f"only {len(held())} lookups reached the server"
+        time.sleep(2.0)
+        assert all(t.is_alive() for t in threads), "a stalled lookup ended: the server let it go"
+        proc = subprocess.Popen([sys.executable, "-c", STATTER, m.p(META_FREE, "another")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_signals)
+        time.sleep(1.0)
+        assert proc.poll() is None, f"the stat ended before the signal: {proc.communicate()}"
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        _release(fault_proxy)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=10)
+        for t in threads:
+            t.join(60)
+    assert out is not None, "a stat queued behind stalled lookups was still blocked 5 s after a handled SIGINT"
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["rc"] == -1 and result["errno"] == errno.EINTR, f"stat after SIGINT: {result}; stderr {err}"
+    assert result["after_signal"] is not None and result["after_signal"] < 3, result
