@@ -95,6 +95,36 @@ import Testing
         fs.release(h)
     }
 
+    /// Cached bytes are served whatever the outage state: while an outage is assumed and
+    /// another operation holds the probe, a cached file opens and reads without asking.
+    @Test func cachedBytesAreServedWhileAnotherOperationProbes() throws {
+        let bytes = (0..<50_000).map { UInt8(truncatingIfNeeded: $0 &* 31) }
+        store.put("c.bin", bytes, crc32c: true)
+        let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
+        let health = BucketHealth(holdSeconds: 5)
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e",
+                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20),
+                                 health: health)
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0), reader: reader)
+        let c = try fs.lookup(parent: Filesystem.rootInode, name: "c.bin")
+        let first = try fs.open(c.inode, flags: O_RDONLY).handle
+        #expect(try read(fs, first, count: bytes.count) == bytes)
+        fs.release(first)
+        store.failAll(with: Self.down)
+        health.note(Self.down)
+        let probe = try health.admit()  // another operation asks the bucket meanwhile
+        let asked = store.requests
+        let h = try fs.open(c.inode, flags: O_RDONLY).handle
+        var out = [UInt8](repeating: 0, count: bytes.count)
+        let n = try out.withUnsafeMutableBytes { try fs.readCached(h, at: 0, into: $0) }
+        #expect(n == bytes.count && out == bytes, "served from the cache on the FUSE thread")
+        #expect(try read(fs, h, count: bytes.count) == bytes, "and by a read that may ask")
+        #expect(store.requests == asked, "nothing was asked")
+        fs.release(h)
+        probe?.end()
+    }
+
     /// An interrupted read is no evidence of an outage: the reads and lookups after it ask.
     @Test func anInterruptedReadStartsNoOutage() throws {
         store.put("slow.bin", [UInt8](repeating: 1, count: 4096))
