@@ -123,8 +123,6 @@ final class QueuedRequests: Sendable {
 
     /// Its INTERRUPT came: the entry if the request is still waiting (the caller answers it).
     func interrupted(_ raw: fuse_req_t) -> Entry? { waiting.withLock { $0.removeValue(forKey: Self.key(raw)) } }
-
-    var count: Int { waiting.withLock { $0.count } }
 }
 
 /// A `fuse_req_t` that may cross to a worker thread (libfuse allows replying from any thread).
