@@ -18,6 +18,8 @@ final class FuseContext: Sendable {
     let readWorkers: Int
     /// Reads that miss the cache and are served on the FUSE thread that received them.
     let inlineMisses: InlineMisses
+    /// Requests waiting for a worker, which an INTERRUPT answers at once.
+    let queued = QueuedRequests()
     private let session = Mutex<SessionPointer?>(nil)
     /// Lookups, attribute refreshes and listings that need the bucket: a stalled server ties up
     /// these threads, never FUSE's (so cached reads go on), and at most this many at once.
@@ -89,6 +91,38 @@ final class InlineMisses: Sendable {
     }
 
     func leave() { count.subtract(1, ordering: .relaxed) }
+}
+
+/// Requests handed to a worker (a read to a read worker, a metadata operation to a metadata
+/// worker) and not yet taken by one. Every worker may be waiting on a server that stalls (for
+/// up to `request_timeout`), and a request queued behind them would see its INTERRUPT only
+/// once a worker took it: so each is registered with libfuse's interrupt callback
+/// (`fuse_req_interrupt_func`), which answers it EINTR at once if it is still here, and the
+/// worker that takes it later skips it. A handled signal (Ctrl-C in a program that catches it)
+/// then ends every request of the interrupted call promptly, whatever the workers are waiting
+/// on. Keyed by the request's address: an entry leaves before its request is answered (and
+/// freed), so no address is ever seen twice while here.
+final class QueuedRequests: Sendable {
+    struct Entry: Sendable {
+        let op: FuseOp
+        let inode: UInt64
+        let name: String?
+        let started: Double
+    }
+
+    /// A leaf lock (nothing is taken or replied under it); libfuse holds the request's own
+    /// lock around the interrupt callback that takes it.
+    private let waiting = Mutex([Int: Entry]())
+
+    private static func key(_ raw: fuse_req_t) -> Int { Int(bitPattern: raw) }
+
+    func add(_ r: Request, _ entry: Entry) { waiting.withLock { $0[Self.key(r.raw)] = entry } }
+
+    /// A worker takes the request: false if its INTERRUPT answered it already.
+    func take(_ r: Request) -> Bool { waiting.withLock { $0.removeValue(forKey: Self.key(r.raw)) != nil } }
+
+    /// Its INTERRUPT came: the entry if the request is still waiting (the caller answers it).
+    func interrupted(_ raw: fuse_req_t) -> Entry? { waiting.withLock { $0.removeValue(forKey: Self.key(raw)) } }
 }
 
 /// A `fuse_req_t` that may cross to a worker thread (libfuse allows replying from any thread).

@@ -56,7 +56,9 @@ private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escapin
     let ctx = context(req)
     let r = Request(raw: req!)
     ctx.inFlight.add(1, ordering: .acquiring)
-    ctx.metadata.submit {
+    // Until a worker takes it, its INTERRUPT answers it (QueuedRequests): 64 lookups stalled
+    // on the server must not keep a caller that handles Ctrl-C waiting behind them.
+    queue(r, .init(op: trace.op, inode: trace.inode, name: trace.name, started: trace.started), on: ctx.metadata, ctx: ctx) {
         defer { ctx.inFlight.subtract(1, ordering: .releasing) }
         let interrupted: @Sendable () -> Bool = { fuse_req_interrupted(r.raw) != 0 || ctx.isStopping }
         if interrupted() {
@@ -67,6 +69,32 @@ private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escapin
         }
         answering(r.raw, trace) { try work(.allowed(isCancelled: interrupted), r.raw) }
     }
+}
+
+/// Hands `r` to a worker of `pool`: until one takes it, its INTERRUPT answers it EINTR
+/// (`QueuedRequests`), and `work` then never runs. Registered after the entry, since libfuse
+/// calls back at once for an INTERRUPT already received. The caller counted the reply owed
+/// (`inFlight`); whoever answers it uncounts it (`work` itself, or the interrupt callback).
+private func queue(_ r: Request, _ entry: QueuedRequests.Entry, on pool: WorkerPool, ctx: FuseContext,
+                   skipped: @escaping @Sendable () -> Void = {}, _ work: @escaping @Sendable () -> Void) {
+    ctx.queued.add(r, entry)
+    fuse_req_interrupt_func(r.raw, queuedRequestInterrupted, nil)
+    pool.submit {
+        guard ctx.queued.take(r) else { return skipped() }  // answered at its INTERRUPT
+        work()
+    }
+}
+
+/// libfuse's interrupt callback for a request waiting for a worker (`QueuedRequests`): answers
+/// it EINTR if no worker has taken it yet. Called on the thread that read the INTERRUPT (or on
+/// the one registering, for an INTERRUPT already received), with the request still alive.
+private let queuedRequestInterrupted: fuse_interrupt_func_t = { req, _ in
+    let ctx = context(req)
+    guard let entry = ctx.queued.interrupted(req!) else { return }  // a worker serves it
+    let e = Errno.value(for: .storage(.cancelled))
+    _ = fuse_reply_err(req, e)
+    OpTrace.record(entry.op, inode: entry.inode, name: entry.name, errno: e, started: entry.started)
+    ctx.inFlight.subtract(1, ordering: .releasing)
 }
 
 private func replyReadOnly(_ req: fuse_req_t?, _ op: FuseOp, _ inode: fuse_ino_t) {
@@ -375,7 +403,9 @@ func makeOperations() -> fuse_lowlevel_ops {
             defer { ctx.inlineMisses.leave() }
             serve()
         } else {
-            ctx.workers.submit(serve)
+            // Until a worker takes it, its INTERRUPT answers it (QueuedRequests).
+            queue(r, .init(op: .read, inode: inode, name: nil, started: started), on: ctx.workers, ctx: ctx,
+                  skipped: { ctx.buffers.give(lease.buffer) }, serve)
         }
     }
 
@@ -418,7 +448,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         st.f_files = fsfilcnt_t(usage.files)
         st.f_ffree = fsfilcnt_t(usage.freeFiles)
         st.f_favail = fsfilcnt_t(usage.freeFiles)
-        st.f_namemax = 1024
+        st.f_namemax = UInt(usage.maxNameLength)
         st.f_flag = UInt(ST_RDONLY)
         _ = fuse_reply_statfs(req, &st)
         OpTrace.record(.statfs, inode: UInt64(ino), errno: 0, started: started)

@@ -64,6 +64,12 @@ public struct RetryPolicy: Sendable {
                 StorageTelemetry.attempt = attempt
                 return try body(deadline)
             } catch {
+                // The caller was interrupted meanwhile: whatever the try ended with (a timeout, a
+                // reset as the transfer was cut), the operation ends as cancelled, which says
+                // nothing about the bucket (no outage, docs/security.md, "Time bounds").
+                if error.code != .cancelled, let isCancelled, isCancelled() {
+                    throw StorageError(.cancelled, "interrupted: \(error.message)")
+                }
                 var error = error
                 error.answeredOthers = answersBefore != nil && answered?.value != answersBefore
                 let limit = error.answeredOthers ? 2 * attempts : attempts

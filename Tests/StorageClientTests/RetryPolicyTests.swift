@@ -1,3 +1,4 @@
+import Synchronization
 import Testing
 @testable import StorageClient
 
@@ -20,6 +21,24 @@ import Testing
             return (tries, nil)
         } catch {
             return (tries, error)
+        }
+    }
+
+    /// A try that fails once its caller was interrupted (the timeout and the INTERRUPT came
+    /// together) ends the operation as cancelled, never as an outage's error, its last try too.
+    @Test func aLastTryFailingAfterTheCallerWasInterruptedIsCancelled() {
+        let interrupted = Atomic<Bool>(false)
+        var tries = 0
+        do throws(StorageError) {
+            try RetryPolicy(attempts: 1, budget: 10).run(isCancelled: { interrupted.load(ordering: .relaxed) }) { _ throws(StorageError) in
+                tries += 1
+                interrupted.store(true, ordering: .relaxed)
+                throw StorageError(.retryLimitExceeded, "no answer in time")
+            }
+            Issue.record("the run succeeded")
+        } catch {
+            #expect(error.code == .cancelled)
+            #expect(tries == 1)
         }
     }
 

@@ -312,8 +312,9 @@ import StorageClient
     }
 
     /// A server that does not answer costs one `request_timeout`, not one per path component:
-    /// while the outage holds, known names answer at once and unknown ones fail at once.
-    @Test func duringAnOutageKnownNamesAnswerAtOnceAndTheRestFailsAtOnce() throws {
+    /// while the outage holds, known names answer at once without asking, and an unknown one
+    /// asks as the outage's one probe (BucketHealthTests: the others fail at once meanwhile).
+    @Test func duringAnOutageKnownNamesAnswerWithoutAsking() throws {
         store.put("d/f", [1])
         let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
                             config: .init(statTTL: 0, listTTL: 0, negativeTTL: 0))
@@ -324,10 +325,41 @@ import StorageClient
         let asked = store.requests
         #expect(try fs.attributes(of: f.inode).size == 1)
         #expect(try fs.lookup(parent: Filesystem.rootInode, name: "d").inode == d.inode)
+        #expect(store.requests == asked, "nothing was asked about known names during the outage")
         #expect { _ = try fs.lookup(parent: d.inode, name: "unknown") } throws: {
             ($0 as? FilesystemError)?.code == .storage(.retryLimitExceeded)
         }
-        #expect(store.requests == asked, "nothing more was asked during the outage")
+        #expect(store.requests.metadata == asked.metadata + 1, "the unknown name was asked about once")
+    }
+
+    /// A listing fetched to answer a lookup (its directory's first page, here the whole
+    /// directory) vouches for the names it holds for `stat_ttl`, as the lookup would; a
+    /// directory someone listed answers for `list_ttl` (issue 49, item 8).
+    @Test func aListingLearntByALookupKeepsNoNameFresherThanStatTTL() throws {
+        store.put("d/f.txt", [1])
+        store.put("d/g.txt", [1])
+        store.put("listed/f.txt", [1])
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"),
+                            config: .init(statTTL: 0.3, listTTL: 60, negativeTTL: 0.3))
+        let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
+        #expect(try fs.lookup(parent: d.inode, name: "f.txt").size == 1)
+        settle(fs)
+        #expect(fs.freshListing("d") != nil, "the first page beside the lookup was the whole directory")
+        store.put("d/f.txt", [2, 2], generation: 2)
+        store.remove("d/g.txt")
+        usleep(350_000)
+        #expect(try fs.lookup(parent: d.inode, name: "f.txt").size == 2, "the overwrite is seen after stat_ttl")
+        #expect { _ = try fs.lookup(parent: d.inode, name: "g.txt") } throws: {
+            ($0 as? FilesystemError)?.code == .noEntry
+        }
+        // Listed by a user: the listing answers for list_ttl (README, "Namespace semantics").
+        let listed = try fs.lookup(parent: Filesystem.rootInode, name: "listed")
+        let h = try fs.openDirectory(listed.inode)
+        #expect(try fs.readDirectory(h, from: 0, limit: 10).map(\.name).contains("f.txt"))
+        fs.release(h)
+        store.put("listed/f.txt", [3, 3, 3], generation: 2)
+        usleep(350_000)
+        #expect(try fs.lookup(parent: listed.inode, name: "f.txt").size == 1)
     }
 
     /// An operation that failed while the bucket answered others is one unlucky request, not

@@ -90,6 +90,9 @@ final class MemoryStore: ObjectStore {
         objects.withLock { $0[name] = (m, bytes) }
     }
 
+    /// Deletes an object (as another client of the bucket would).
+    func remove(_ name: String) { _ = objects.withLock { $0.removeValue(forKey: name) } }
+
     func failAll(with error: StorageError?) { failure.withLock { $0 = error } }
 
     private func check() throws(StorageError) {

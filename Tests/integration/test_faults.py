@@ -540,7 +540,7 @@ def test_blackholed_server_cached_data_listing_and_stat_keep_working_uncached_re
                  Call(lambda: sorted(os.listdir(m.p("hole/dir"))), name="ls"),
                  Call(os.stat, m.p(HOLE_KNOWN), name="stat"),
                  Call(os.pread, fd, 64 * KiB, 0, name="uncached read")]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 18
         for c in calls:
             c.wait(deadline - time.monotonic())
         cached, ls, st, uncached = calls
@@ -549,7 +549,10 @@ def test_blackholed_server_cached_data_listing_and_stat_keep_working_uncached_re
         assert ls.done and ls.error is None and ls.value == listed, report
         assert st.done and st.error is None and st.value.st_size == len(fdata[HOLE_KNOWN]), report
         assert is_eio(uncached), report
-        assert uncached.elapsed <= 6 + 4, report
+        # Its attribute refresh asks before any outage is known (request_timeout), then its
+        # read is the outage's one probe and asks too, in case the server is back
+        # (docs/security.md, "Time bounds"): at most two request_timeouts in a row.
+        assert uncached.elapsed <= 2 * 6 + 4, report
         assert fault_proxy.requests(fault="blackhole"), "nothing was blackholed"
     finally:
         release_all(fault_proxy, calls)

@@ -49,10 +49,14 @@ public struct DirectoryListing: Sendable {
         return lo < names.count && names[lo].utf8.elementsEqual(name.utf8) ? lo : nil
     }
 
+    /// The longest path component, in bytes (Linux's NAME_MAX): longer names are hidden, and
+    /// `statfs` says so (`f_namemax`).
+    public static let maxNameBytes = 255
+
     /// Whether `name` can appear as a path component exactly as stored.
     public static func isRepresentable(_ name: String) -> Bool {
         let b = name.utf8
-        return !b.isEmpty && !b.elementsEqual(".".utf8) && !b.elementsEqual("..".utf8) && b.count <= 255 && !b.contains(0)
+        return !b.isEmpty && !b.elementsEqual(".".utf8) && !b.elementsEqual("..".utf8) && b.count <= maxNameBytes && !b.contains(0)
     }
 
     /// Builds the listing of `prefix` (`""` or ending in `/`) from all its pages.

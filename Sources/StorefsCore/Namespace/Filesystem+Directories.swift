@@ -205,17 +205,24 @@ extension Filesystem {
         freshSnapshot(dirPath).map { ($0.listing, $0.fetched) }
     }
 
+    /// How long a listing says a name it holds is there: `list_ttl` for a directory someone
+    /// listed; `stat_ttl` (at most) for names learnt beside a lookup, whose own answer would
+    /// have been trusted that long (issue 49, item 8: gcsfuse's dentry-cache tests).
+    func presentTTL(learntByLookup: Bool) -> Double {
+        learntByLookup ? min(config.statTTL, config.listTTL) : config.listTTL
+    }
+
     /// Cached listings and the entries they hold (tests).
     var cachedListingCounts: (listings: Int, entries: Int) { listings.withLock { ($0.count, $0.entryCount) } }
 
     /// The whole listing of a directory: every page, prefixes de-duplicated, cached for list_ttl.
     func fullListing(_ dirPath: String, network: Network = .allowed) throws(FilesystemError) -> ListingSnapshot {
         if let l = freshSnapshot(dirPath) { return l }
-        if let outage = health.outage {
-            guard let old = listings.withLock({ $0.last(ByteName(dirPath)) }) else { throw FilesystemError(outage) }
+        if let outage = health.outage, let old = listings.withLock({ $0.last(ByteName(dirPath)) }) {
             Log.info("op=readdir path=\(dirPath) answering from a stale listing (the bucket is unreachable: \(outage.message))")
             return old
         }
+        if let refused = health.refusal { throw FilesystemError(refused) }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "listing \(dirPath) needs the bucket") }
         // One listing of a directory at a time: later askers wait for the one under way.
         let (flight, mine) = listingFlights.withLock { f -> (ListingFlight, Bool) in
@@ -278,6 +285,9 @@ extension Filesystem {
     func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?, into stream: ListingStream? = nil,
                       firstPage: (() -> Void)? = nil) throws(FilesystemError) -> ListingSnapshot {
         let prefix = listingPrefix(of: dirPath)
+        // During an outage one operation at a time asks (BucketHealth).
+        let asking = try admitted()
+        defer { asking?.end() }
         let started = now()
         let stream = stream ?? ListingStream(prefix: prefix)
         var token: String? = nil
@@ -323,8 +333,9 @@ extension Filesystem {
     /// A whole listing just fetched: logged shadows, cached for list_ttl (unless a newer one
     /// is there already), stored for offline use.
     @discardableResult
-    func keepListing(_ dirPath: String, _ listing: DirectoryListing, fetched: Double) -> ListingSnapshot {
-        let snapshot = ListingSnapshot(listing, fetched: fetched)
+    func keepListing(_ dirPath: String, _ listing: DirectoryListing, fetched: Double,
+                     learntByLookup: Bool = false) -> ListingSnapshot {
+        let snapshot = ListingSnapshot(listing, fetched: fetched, learntByLookup: learntByLookup)
         for name in listing.shadowedFiles {
             let full = Self.join(dirPath, name)
             if shadowLogged.withLock({ $0.count < 65_536 && $0.insert(ByteName(full)).inserted }) {
@@ -391,7 +402,7 @@ extension Filesystem {
         var builder = DirectoryListing.Builder(prefix: prefix)
         builder.add(page)
         if page.nextPageToken == nil {
-            keepListing(dirPath, builder.build(), fetched: fetched)
+            keepListing(dirPath, builder.build(), fetched: fetched, learntByLookup: true)
             return nil
         }
         return .init(listing: builder.build(), reached: FirstPageCache.reached(by: page, prefix: prefix), fetched: fetched)
@@ -415,11 +426,13 @@ extension Filesystem {
         if let node = table.withLock({ tb in tb.inode(of: key).flatMap { tb.nodes[$0] } }), t - node.fetched < config.statTTL {
             return (node.kind, node.fetched)
         }
-        if let outage = health.outage {
-            if case .success(let answer)? = lastKnown(path, parentPath: parentPath, name: listing.names[index]) { return answer }
-            throw FilesystemError(outage)
+        if health.outage != nil, case .success(let answer)? = lastKnown(path, parentPath: parentPath, name: listing.names[index]) {
+            return answer
         }
+        if let refused = health.refusal { throw FilesystemError(refused) }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "size of \(path) needs the bucket") }
+        let asking = try admitted()
+        defer { asking?.end() }
         var batch = [index]
         var i = index + 1
         while batch.count < max(1, config.metadataParallelism), i < listing.count {

@@ -167,6 +167,8 @@ extension Filesystem {
         public var freeBlocks: UInt64
         public var files: UInt64
         public var freeFiles: UInt64
+        /// The longest name a directory shows (`f_namemax`).
+        public var maxNameLength = DirectoryListing.maxNameBytes
     }
 
     public func usage() -> Usage {

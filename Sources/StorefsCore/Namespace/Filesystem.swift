@@ -177,7 +177,9 @@ public final class Filesystem: Sendable {
     public func lookup(parent: UInt64, name: String, network: Network = .allowed) throws(FilesystemError) -> FileAttributes {
         let parentPath = try directoryPath(parent)
         guard DirectoryListing.isRepresentable(name), !name.containsSlash else {
-            if name.utf8.count > 255 { throw FilesystemError(.nameTooLong, "name longer than 255 bytes") }
+            if name.utf8.count > DirectoryListing.maxNameBytes {
+                throw FilesystemError(.nameTooLong, "name longer than \(DirectoryListing.maxNameBytes) bytes")
+            }
             throw FilesystemError(.noEntry, "name cannot be a path component")
         }
         let path = Self.join(parentPath, name)
@@ -288,14 +290,19 @@ public final class Filesystem: Sendable {
                  skipInode: UInt64? = nil) throws(FilesystemError) -> (Node.Kind, Double) {
         let t = now()
         let key = ByteName(path)
-        if let (listing, fetched) = freshListing(parentPath) {
+        if let snapshot = freshSnapshot(parentPath) {
+            let (listing, fetched) = (snapshot.listing, snapshot.fetched)
             if let index = listing.index(of: name) {
-                if let kind = listing.entries[index].nodeKind { return (kind, fetched) }
-                return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
+                // A listing learnt beside a lookup vouches for its names for `stat_ttl` only.
+                if t - fetched < presentTTL(learntByLookup: snapshot.learntByLookup) {
+                    if let kind = listing.entries[index].nodeKind { return (kind, fetched) }
+                    return try sized(path, in: listing, at: index, parentPath: parentPath, network: network)
+                }
+            } else if t - fetched < config.negativeTTL {
+                // A listing says "absent" for `negative_ttl` only, as a missing name does: a name
+                // that appeared since is found by a probe (README, "Namespace semantics").
+                throw FilesystemError(.noEntry, "no \(path)")
             }
-            // A listing says "absent" for `negative_ttl` only, as a missing name does: a name
-            // that appeared since is found by a probe (README, "Namespace semantics").
-            if t - fetched < config.negativeTTL { throw FilesystemError(.noEntry, "no \(path)") }
         }
         if let node = table.withLock({ tb -> Node? in
             guard let ino = tb.inode(of: key), ino != skipInode, let n = tb.nodes[ino], t - n.fetched < config.statTTL else { return nil }
@@ -315,12 +322,13 @@ public final class Filesystem: Sendable {
         // The first page of the parent, fetched beside an earlier lookup there, answers for
         // the names it reaches (docs/architecture.md, "Lookups in one round trip").
         if let answer = firstPageAnswer(parentPath, name: name, refreshing: skipInode != nil) { return try answer.get() }
-        // The bucket is known not to answer: what we know answers at once (BucketHealth).
-        if let outage = health.outage {
-            if let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
-            throw FilesystemError(outage)
-        }
+        // The bucket is known not to answer: what we know answers at once, and of the rest one
+        // operation at a time asks (BucketHealth).
+        if health.outage != nil, let answer = lastKnown(path, parentPath: parentPath, name: name) { return try answer.get() }
+        if let refused = health.refusal { throw FilesystemError(refused) }
         guard case .allowed(let isCancelled) = network else { throw FilesystemError(.wouldBlock, "lookup of \(path) needs the bucket") }
+        let asking = try admitted()
+        defer { asking?.end() }
         let objectName = objectName(of: path)
         let race = LookupRace()
         fetchFirstPage(parentPath, race: race)
@@ -336,7 +344,9 @@ public final class Filesystem: Sendable {
             switch try probe(objectName, race: race, isCancelled: isCancelled, orFromPage: { [self] in
                 // The page landed first (its request went out on a warm connection while the
                 // probe's may still be opening theirs): it answers as well as the probe would.
-                if let (listing, fetched) = freshListing(parentPath), let index = listing.index(of: name) {
+                if let snapshot = freshSnapshot(parentPath), let index = snapshot.listing.index(of: name),
+                   now() - snapshot.fetched < presentTTL(learntByLookup: snapshot.learntByLookup) {
+                    let (listing, fetched) = (snapshot.listing, snapshot.fetched)
                     // A refresh asks the bucket about a file: its own record is what is stale.
                     guard let kind = listing.entries[index].nodeKind, skipInode == nil || kind == .directory else { return nil }
                     return .success((kind, fetched))
@@ -405,9 +415,12 @@ public final class Filesystem: Sendable {
         let t = now()
         guard let page = firstPages.withLock({ $0.page(ByteName(parentPath)) }), t - page.fetched < config.listTTL,
               let answer = FirstPageCache.answer(page, name: name) else { return nil }
+        // A page is fetched beside a lookup: it vouches for the names it holds for `stat_ttl`
+        // only, as that lookup's own answer would be, and for an absence for `negative_ttl`.
+        let present = t - page.fetched < presentTTL(learntByLookup: true)
         switch answer {
-        case .directory?: return .success((.directory, page.fetched))
-        case .file(let r)? where !refreshing: return .success((.file(r), page.fetched))
+        case .directory? where present: return .success((.directory, page.fetched))
+        case .file(let r)? where !refreshing && present: return .success((.file(r), page.fetched))
         case nil where t - page.fetched < config.negativeTTL:
             return .failure(FilesystemError(.noEntry, "no \(parentPath.isEmpty ? name : parentPath + "/" + name)"))
         default: return nil  // a size to fetch (v0), a refresh, or an old "absent": ask the bucket
@@ -511,6 +524,12 @@ public final class Filesystem: Sendable {
         var h: UInt64 = 0xcbf2_9ce4_8422_2325
         for b in path.utf8 { h = (h ^ UInt64(b)) &* 0x100_0000_01b3 }
         return h | (1 << 63)
+    }
+
+    /// May this operation ask the bucket (`BucketHealth.admit`)? The probe it may be given is
+    /// ended by the caller once it has noted what it found.
+    func admitted() throws(FilesystemError) -> BucketHealth.Probe? {
+        do throws(StorageError) { return try health.admit() } catch { throw FilesystemError(error) }
     }
 
     /// The bucket cannot answer right now (as opposed to answering "no").

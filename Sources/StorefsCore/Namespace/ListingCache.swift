@@ -5,10 +5,15 @@ final class ListingSnapshot: Sendable {
     let listing: DirectoryListing
     /// Monotonic time the listing's first page was asked for.
     let fetched: Double
+    /// Fetched beside a lookup (a first page that was the whole directory), not because
+    /// someone listed the directory: its names are vouched for `stat_ttl` only, as the
+    /// lookup's own answer would be (README, "Namespace semantics": what is remembered).
+    let learntByLookup: Bool
 
-    init(_ listing: DirectoryListing, fetched: Double) {
+    init(_ listing: DirectoryListing, fetched: Double, learntByLookup: Bool = false) {
         self.listing = listing
         self.fetched = fetched
+        self.learntByLookup = learntByLookup
     }
 
     var names: [String] { listing.names }

@@ -125,10 +125,11 @@ public final class BlockReader: Sendable {
     /// Read-ahead parts take part-sized regions; demand downloads (at most one FUSE request
     /// plus a block) take small ones. One pool for both let a 16 KiB miss hold a recycled,
     /// fully resident 8 MiB region, so memory was no longer bounded by `memory_limit`.
-    private func newFlight(first: Int, last: Int, start: Int64, length: Int, readAhead: Bool = false) -> Flight {
+    private func newFlight(first: Int, last: Int, start: Int64, length: Int, readAhead: Bool = false,
+                           probe: BucketHealth.Probe? = nil) -> Flight {
         let pool = length <= requestBuffers.regionSize ? requestBuffers : buffers
         return Flight(firstBlock: first, blockCount: last - first + 1, start: start, length: length, isReadAhead: readAhead,
-                      budget: budget, pool: pool)
+                      budget: budget, pool: pool, probe: probe)
     }
 
     /// Prefetch threads start on first use, after the daemon has forked. A thread writes its
@@ -470,6 +471,12 @@ public final class BlockReader: Sendable {
         }
         if let warm { self.warm(stream, warm) }
         guard let ahead else { return }
+        // During an outage nothing is read ahead: one operation at a time asks (BucketHealth),
+        // and that is a reader's. The window is tried again on the next read.
+        if health.outage != nil {
+            stream.detector.withLock { $0.unscheduled(from: ahead.lowerBound) }
+            return
+        }
         // Only for a stream (a short read's first window needs no more connections) with bytes
         // to download (a cached file read on a far mount needs none).
         if config.adaptive, !near, isStream, transfers.seemsFar,
@@ -543,7 +550,8 @@ public final class BlockReader: Sendable {
         // will never be). Looking at the cache after the table closes that gap; misses only.
         func landed() -> Bool { mayFindCached && stream.cached?.isCached(block) == true }
         if landed() { return nil }
-        if let outage = health.outage { throw outage }
+        // During an outage one download at a time asks (BucketHealth): it carries the probe.
+        let probe = try health.admit()
         var last = block
         var lastBlock = lastBlock
         // The file's first read, its first bytes asked beside its lookup: it takes all of them.
@@ -565,7 +573,7 @@ public final class BlockReader: Sendable {
             budget.release(Int64(length))
             return nil
         }
-        let flight = newFlight(first: block, last: last, start: start, length: length)
+        let flight = newFlight(first: block, last: last, start: start, length: length, probe: probe)
         if let raced = stream.flights.register(flight, orExistingFor: block) { return raced }
         return flight
     }
@@ -700,6 +708,7 @@ public final class BlockReader: Sendable {
         } catch {
             downloaded?(.failure(error))
             health.note(error)
+            flight.probe?.end()
             // A reader was given this error: the kernel asks again for the page at once, and
             // that read gets the same answer rather than all of its tries anew.
             if isCancelled != nil, error.code != .cancelled { stream.flights.noteFailure(flight, error) }
@@ -708,6 +717,7 @@ public final class BlockReader: Sendable {
             return
         }
         health.noteSuccess()
+        flight.probe?.end()
         // The mount's first download to land says whether the server is near, before its bytes
         // are stored (what is kept in memory depends on it).
         if asked { transfers.noteFirstByte(StorageTelemetry.lastFirstByte) }

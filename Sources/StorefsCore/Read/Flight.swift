@@ -25,9 +25,13 @@ final class Flight: @unchecked Sendable {
     private var claimed = false
 
     private let pool: FlightBufferPool
+    /// The download asks during an outage (`BucketHealth.admit`): ended once it noted what it
+    /// found, or at the latest with the flight.
+    let probe: BucketHealth.Probe?
 
     init(firstBlock: Int, blockCount: Int, start: Int64, length: Int, isReadAhead: Bool = false,
-         budget: MemoryBudget, pool: FlightBufferPool) {
+         budget: MemoryBudget, pool: FlightBufferPool, probe: BucketHealth.Probe? = nil) {
+        self.probe = probe
         self.firstBlock = firstBlock
         self.blockCount = blockCount
         self.start = start
