@@ -23,7 +23,7 @@ import pytest
 import tls_fixture
 from auth_fixture import (GOOGLE_TOKEN_AUD, JWT_BEARER, READ_ONLY_SCOPE, jwt_rs256,
                           sign_v4_url, verify_v4_signed_url, write_token_file)
-from firebase_fixture import TOKENS_KEY, v0_url
+from firebase_fixture import TOKENS_KEY
 from gcs_emulator import quote_name
 from storefs_testlib import errname, errno_of, is_mounted, run_storefs
 
@@ -65,6 +65,13 @@ def users(auth_server, firebase):
     auth_server.add_user(BOB_EMAIL, pw[BOB_EMAIL], uid="uid-bob")
     firebase.set_rules(FB_RULES)
     return pw
+
+
+def media_url(endpoint: str, bucket: str, name: str) -> str:
+    """The download URL of a token object with protocol=gcs on an endpoint that is not Google's:
+    the JSON API media URL, which such an endpoint serves, not a v0 token URL it does not
+    (README, "Download URLs")."""
+    return f"{endpoint}/download/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}?alt=media"
 
 
 def _read(path: str) -> bytes:
@@ -541,10 +548,10 @@ def test_v4_signed_url_verifies_and_names_the_object(bare_mount, gcs_auth_proxy,
     status, _, body = _http(f"{emulator.endpoint}{parts.path}?{parts.query}",
                             headers={"Host": "storage.googleapis.com"})
     assert (status, body) == (200, GCS_FILES[name]), "the signed path does not fetch the object"
-    # a Firebase token still wins over signing (its URL is on the mount's endpoint, which is
-    # not Google's: README, "Download URLs")
-    assert os.getxattr(m.p("tok/has-token.txt"), URL_ATTR).decode() == v0_url(
-        gcs_auth_proxy.endpoint, CB, "tok/has-token.txt", "gcs-tok-1")
+    # a token object still gets no signed URL: on an endpoint that is not Google's, the media
+    # URL that endpoint serves (README, "Download URLs")
+    assert os.getxattr(m.p("tok/has-token.txt"), URL_ATTR).decode() == media_url(
+        gcs_auth_proxy.endpoint, CB, "tok/has-token.txt")
     short = bare_mount(CB, endpoint=gcs_auth_proxy.endpoint, options=[*base, "url_expiry=600"])
     url = os.getxattr(short.p("files/f5.txt"), URL_ATTR).decode()
     assert verify_v4_signed_url(url, key.public_key, CB, "files/f5.txt")["expires"] == 600
@@ -602,7 +609,7 @@ def test_url_xattr_with_allow_other(bare_mount, gcs_auth_proxy, auth_server, buc
     opts = [f"token_file={tf}", "allow_other"] + ([f"url_xattr={mode}"] if mode else [])
     m = bare_mount(CB, endpoint=gcs_auth_proxy.endpoint, options=opts)
     path = m.p("tok/has-token.txt")
-    want = v0_url(gcs_auth_proxy.endpoint, CB, "tok/has-token.txt", "gcs-tok-1")
+    want = media_url(gcs_auth_proxy.endpoint, CB, "tok/has-token.txt")
     assert os.getxattr(path, URL_ATTR).decode() == want, "root may always read it"
     rc, out = _xattr_as(NOBODY, path, "user.storefs.gs_uri")
     assert rc == 0 and out == f"gs://{CB}/tok/has-token.txt", f"other xattrs stay readable: {out!r}"
@@ -645,7 +652,7 @@ def test_no_secrets_in_debug_log_gcs(bare_mount, gcs_auth_proxy, auth_server, bu
     signed = os.getxattr(m.p("files/f7.txt"), URL_ATTR).decode()
     sig = urllib.parse.parse_qs(urllib.parse.urlsplit(signed).query)["X-Goog-Signature"][0]
     fb_url = os.getxattr(m.p("tok/has-token.txt"), URL_ATTR).decode()
-    assert fb_url.endswith("token=gcs-tok-1")
+    assert fb_url == media_url(gcs_auth_proxy.endpoint, CB, "tok/has-token.txt")
     _assert_no_secrets(m, auth_server.secrets() | {sig, "gcs-tok-1", "gcs-tok-2"})
 
 
