@@ -36,7 +36,7 @@ public struct RetryPolicy: Sendable {
         case .retryLimitExceeded, .quotaExceeded: return true
         case .unreachable: return retryUnreachable
         case .notFound, .unauthenticated, .unauthorized, .generationChanged, .checksumMismatch,
-             .cancelled, .invalidResponse, .invalidArgument:
+             .cancelled, .invalidResponse, .invalidArgument, .tlsFailure:
             return false
         }
     }

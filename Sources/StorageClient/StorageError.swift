@@ -18,6 +18,9 @@ public struct StorageError: Error, Sendable, CustomStringConvertible {
         case retryLimitExceeded
         /// The endpoint could not be reached at all (DNS, refused connection).
         case unreachable
+        /// No trusted TLS session came about: the certificate is not trusted, names another
+        /// host or is out of date, or the handshake failed (`TLSFailure`). Never retried.
+        case tlsFailure
         /// A checksum of received or cached bytes did not match.
         case checksumMismatch
         /// The caller gave up (the reading process was interrupted).

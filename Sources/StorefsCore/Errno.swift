@@ -34,6 +34,7 @@ public enum Errno {
         case .generationChanged: return ESTALE    // 412 / the pinned generation is gone
         case .retryLimitExceeded: return EIO      // 5xx, 408, resets, timeouts after retries
         case .unreachable: return EIO
+        case .tlsFailure: return EIO              // certificate not trusted, handshake failed
         case .checksumMismatch: return EIO        // nonMatchingChecksum
         case .cancelled: return EINTR             // the reading process was interrupted
         case .invalidResponse: return EIO

@@ -34,6 +34,10 @@ public struct MountOptions: Sendable, Equatable {
     public var email: String?
     public var passwordFile: String?
     public var authEndpoint: String?
+    /// `ca_file=`: a PEM bundle trusted instead of the system store (`TrustStore`).
+    public var caFile: String?
+    /// `http_version=`: over https, HTTP/1.1 (default, measured: docs/experiments.md) or HTTP/2.
+    public var httpVersion = HTTPVersion.http1_1
     public var urlAccess = DownloadURL.Access.owner
     public var urlExpiry = 3600
     public var cacheDir: String?
@@ -84,9 +88,9 @@ public struct MountOptions: Sendable, Equatable {
     /// and how they are written.
     public var logFile: String?
     public var logFormat = LogFormat.text
-    /// `metrics=HOST:PORT`: Prometheus text at /metrics; loopback only unless `metricsBindAny`.
-    public var metricsHost: String?
-    public var metricsPort = 0
+    /// `metrics=HOST:PORT` or `metrics=unix:PATH`: Prometheus text at /metrics; a TCP address
+    /// is loopback only unless `metricsBindAny`.
+    public var metrics: MetricsServer.Address?
     public var metricsBindAny = false
     /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
     public var fuseOptions: [String] = []
@@ -133,6 +137,10 @@ public struct MountOptions: Sendable, Equatable {
                              then gcloud's application-default file, then the metadata server)
           -o api_key=KEY     Firebase Web API key: sign in anonymously, or with email=ADDR,password_file=FILE
           -o auth_endpoint=URL origin of the token services (emulators, tests)
+          -o ca_file=FILE    PEM bundle of the CA certificates https is verified against, instead of the
+                             system store (default: CURL_CA_BUNDLE or SSL_CERT_FILE if set, else the system
+                             store); verification of the certificate and host name is always on
+          -o http_version=V  HTTP version over https: 1.1 (default) or 2 (offered by ALPN)
           -o url_xattr=W     who may read user.storefs.download_url: owner (default), all, off
           -o url_expiry=S    lifetime of signed download URLs in seconds (default 3600, at most 604800)
           -o cache_dir=DIR   block cache directory (default $XDG_CACHE_HOME/storefs, /var/cache/storefs for root)
@@ -166,7 +174,8 @@ public struct MountOptions: Sendable, Equatable {
           -o log_file=PATH   append log lines to PATH (reopened on SIGHUP) instead of syslog
           -o log_format=F    text (default: ts=… level=… msg=… key=value) or json (one object per line)
           -o metrics=ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics (loopback only unless
-                             metrics_bind_any is given)
+                             metrics_bind_any is given; every local user can scrape it), or
+             metrics=unix:PATH  on a unix socket of mode 0660 (the mounting user and its group)
           -o noexec,nosuid,nodev / exec,suid,dev  kernel mount flags (default exec,nosuid,nodev)
           -o nonempty        mount over a non-empty directory (hiding its contents)
         mount(8) options such as rw, ro, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
@@ -245,6 +254,9 @@ public struct MountOptions: Sendable, Equatable {
             case "email": o.email = try require(key, value)
             case "password_file": o.passwordFile = try require(key, value)
             case "auth_endpoint": o.authEndpoint = try url(key, value)
+            case "ca_file": o.caFile = try require(key, value)
+            case "http_version":
+                o.httpVersion = try choice(key, value, "1.1 or 2") { ["1.1": .http1_1, "2": .http2, "2.0": .http2][$0] }
             case "url_xattr":
                 o.urlAccess = try choice(key, value, "owner, all or off") { DownloadURL.Access(rawValue: $0.lowercased()) }
             case "url_expiry":
@@ -291,7 +303,17 @@ public struct MountOptions: Sendable, Equatable {
             case "log_file": o.logFile = try require(key, value)
             case "log_format":
                 o.logFormat = try choice(key, value, "text or json") { LogFormat(rawValue: $0.lowercased()) }
-            case "metrics": (o.metricsHost, o.metricsPort) = try hostPort(key, value)
+            case "metrics":
+                if let v = value, v.hasPrefix("unix:") {
+                    let path = String(v.dropFirst(5))
+                    guard path.hasPrefix("/") else {
+                        throw ParseError(message: "metrics=\(v): give the socket's absolute path, e.g. metrics=unix:/run/storefs/metrics.sock")
+                    }
+                    o.metrics = .unix(path: path)
+                } else {
+                    let (host, port) = try hostPort(key, value)
+                    o.metrics = .tcp(host: host, port: port)
+                }
             case "metrics_bind_any": try flag(key, value); o.metricsBindAny = true
             case _ where forwardedFlags.contains(key) && value == nil:
                 if key == "allow_other" { o.allowOther = true }
@@ -324,8 +346,8 @@ public struct MountOptions: Sendable, Equatable {
         if o.email != nil && o.apiKey == nil {
             throw ParseError(message: "email= sign-in needs the project's Web API key: add api_key=KEY")
         }
-        if let host = o.metricsHost, !o.metricsBindAny, !isLoopbackHost(host) {
-            throw ParseError(message: "metrics=\(host):\(o.metricsPort) would serve metrics beyond this machine: use 127.0.0.1, or add metrics_bind_any if that is meant")
+        if case .tcp(let host, let port)? = o.metrics, !o.metricsBindAny, !isLoopbackHost(host) {
+            throw ParseError(message: "metrics=\(host):\(port) would serve metrics beyond this machine: use 127.0.0.1, or add metrics_bind_any if that is meant")
         }
         if o.apiKey != nil && o.storageProtocol != .firebase {
             throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")

@@ -81,6 +81,7 @@ enum StorefsMain {
             }
         }
         Metrics.shared.observeStorage()
+        raiseDescriptorLimit()
         MemoryReturn.limitArenas()
         // It holds tokens and keys: no core dumps, no same-user ptrace or /proc/PID/mem.
         if !MemoryReturn.makeUndumpable() { Log.debug("prctl(PR_SET_DUMPABLE, 0) failed") }
@@ -117,8 +118,15 @@ enum StorefsMain {
         }
 
         let env = ProcessInfoEnvironment.current()
+        let trust: TrustStore?
+        do {
+            trust = try TrustStore.chosen(caFile: o.caFile.map(absolute), environment: env)
+        } catch {
+            return fail(error.message)
+        }
+        if let trust { Log.debug("tls trust=\"\(trust.summary)\" http_version=\(o.httpVersion.rawValue)") }
         let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
-                              userAgent: "storefs/\(version)")
+                              userAgent: "storefs/\(version)", httpVersion: o.httpVersion, trust: trust)
         let retry = RetryPolicy(budget: o.requestTimeout)
         AuthLog.authSink = { message in Log.debug(message) }
         let store: ObjectStore
@@ -186,12 +194,14 @@ enum StorefsMain {
             return fail(error.message)
         }
         var metrics: MetricsServer? = nil
-        if let host = o.metricsHost {
+        if let address = o.metrics {
             do throws(MetricsServer.Refused) {
-                metrics = try MetricsServer(host: host, port: o.metricsPort)
+                metrics = try MetricsServer(address)
             } catch {
                 return fail(error.message)
             }
+            // A taken port does not keep the mount down (a restart racing another process for it).
+            if let problem = metrics?.bindProblem { Log.warn(problem) }
         }
         let reader = BlockReader(store: store, cache: cache, endpoint: o.resolvedEndpoint,
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead ?? o.memoryLimit,
@@ -225,6 +235,20 @@ enum StorefsMain {
         } catch {
             return fail(error.message)
         }
+    }
+}
+
+/// Raises the soft limit on open files to the hard one: every open file of the mount holds a
+/// cache descriptor, and other users of an `allow_other` mount choose how many files are open
+/// (docs/security.md, "Local users on an allow_other mount").
+private func raiseDescriptorLimit() {
+    var limit = rlimit()
+    let resource = __rlimit_resource_t(RLIMIT_NOFILE.rawValue)
+    guard getrlimit(resource, &limit) == 0, limit.rlim_cur < limit.rlim_max else { return }
+    let soft = limit.rlim_cur
+    limit.rlim_cur = limit.rlim_max
+    if setrlimit(resource, &limit) != 0 {
+        Log.debug("cannot raise the open-file limit", ["soft": String(soft), "hard": String(limit.rlim_max)])
     }
 }
 

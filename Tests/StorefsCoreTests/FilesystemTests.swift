@@ -55,10 +55,11 @@ import StorageClient
         }
     }
 
-    /// `user.storefs.cached` counts every byte a read was served, though a reader's own
-    /// download has its cache copy written after the reply (here 0.3 s after, as a busy
-    /// thread would): the attribute waits for that copy (`BlockReader.awaitCacheCopies`).
-    @Test func theCachedAttributeCountsABytesCacheCopyStillBeingWritten() throws {
+    /// `user.storefs.cached` answers from what the cache holds now, on the FUSE thread that
+    /// asks, never waiting for a cache copy still being written (docs/security.md, "Local
+    /// users on an allow_other mount"): a reader's own download has its copy written after the
+    /// reply (here 0.3 s after, as a busy thread would), and the count follows once it is.
+    @Test func theCachedAttributeAnswersAtOnceAndCountsTheCopyOnceWritten() throws {
         store.put("f", pattern(100_000, seed: 3), crc32c: true)
         let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
         let reader = BlockReader(store: store, cache: cache, endpoint: "e",
@@ -71,13 +72,56 @@ import StorageClient
         let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: 0, into: $0, isCancelled: { false }, afterReply: afterReply) }
         #expect(n == 100_000)
         fs.release(handle)  // `cat` closes the file before `getfattr` asks
-        let t0 = monotonicNow()
         let copy = Thread { usleep(300_000); afterReply.run() }
         copy.start()
+        let t0 = monotonicNow()
+        let early = try fs.extendedAttribute(f.inode, name: "user.storefs.cached")
+        #expect(monotonicNow() - t0 < 0.1)
+        #expect(Int(String(decoding: early, as: UTF8.self))! < 100_000)
+        while !copy.isFinished { usleep(1000) }
         let cached = try fs.extendedAttribute(f.inode, name: "user.storefs.cached")
         #expect(String(decoding: cached, as: UTF8.self) == "100000")
-        #expect(monotonicNow() - t0 >= 0.25)
-        while !copy.isFinished { usleep(1000) }
+    }
+
+    @Test func theCachedAttributeIsTheMountingUsersAndRootsOnly() throws {
+        store.put("f", [1, 2, 3])
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: ""),
+                            config: .init(downloadURL: DownloadURL(ownerUID: 1000)))
+        let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        #expect(throws: FilesystemError.self) { _ = try fs.extendedAttribute(f.inode, name: "user.storefs.cached", requester: 1001) }
+        #expect(!(try fs.extendedAttributeNames(f.inode, requester: 1001)).contains("user.storefs.cached"))
+        #expect(try fs.extendedAttribute(f.inode, name: "user.storefs.cached", requester: 1000) == Array("0".utf8))
+        #expect(try fs.extendedAttributeNames(f.inode, requester: 0).contains("user.storefs.cached"))
+    }
+
+    /// One directory is bounded, and so is the sum of the listings being fetched at once: the
+    /// 64 metadata and 4 list-ahead threads could each hold a huge directory (issue 43, item 10).
+    @Test func listingsFetchedAtOnceAreBoundedTogether() throws {
+        let store = MemoryStore(pageSize: 10)
+        for d in 0..<3 { for i in 0..<100 { store.put("d\(d)/f\(String(format: "%03d", i))", [1]) } }
+        store.delayAll(0.02)  // each page takes a while: the three listings overlap
+        var config = Filesystem.Config()
+        config.listingEntriesInFlightLimit = 150
+        let fs = Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: ""), config: config)
+        let failures = Mutex([String]())
+        let threads = (0..<3).map { d in
+            Thread {
+                do throws(FilesystemError) {
+                    _ = try fs.fullListing("d\(d)")
+                } catch {
+                    failures.withLock { $0.append(error.message) }
+                }
+            }
+        }
+        threads.forEach { $0.start() }
+        while threads.contains(where: { !$0.isFinished }) { usleep(2000) }
+        let messages = failures.withLock { $0 }
+        #expect(!messages.isEmpty && messages.allSatisfy { $0.contains("listings being fetched at once hold more than 150 entries") })
+        #expect(fs.listingEntriesInFlight.load(ordering: .relaxed) == 0)
+        // Alone, a directory under the bound lists whole.
+        store.delayAll(0)
+        let failed = try #require(messages.first.flatMap { m in (0..<3).first { m.contains("d\($0)/") } })
+        #expect(try fs.fullListing("d\(failed)").names.count == 100)
     }
 
     @Test func readdirListsEveryPageOnceAndLookupsThenCostNothing() throws {

@@ -125,4 +125,22 @@ import StorageClient
         let o = try mount(["-o", "fsname=a\\,b,anonymous", "b", "/m"])
         #expect(o.fuseOptions == ["fsname=a,b"])
     }
+
+    @Test func caFileAndHTTPVersionParse() throws {
+        let o = try mount(["-o", "ca_file=/etc/ca.pem,http_version=2", "b", "/mnt"])
+        #expect(o.caFile == "/etc/ca.pem" && o.httpVersion == .http2)
+        let d = try mount(["b", "/mnt"])
+        #expect(d.caFile == nil && d.httpVersion == .http1_1)
+        #expect(throws: MountOptions.ParseError(message: "http_version=3 is not 1.1 or 2")) {
+            _ = try MountOptions.parse(arguments: ["-o", "http_version=3", "b", "/mnt"], environment: [:])
+        }
+    }
+
+    /// Verification is always on: no option a user could find turns it off.
+    @Test(arguments: ["insecure", "ssl_verify=0", "tls_verify=off", "verify=false", "ssl_no_verify", "ca_file"])
+    func nothingWeakensTLSVerification(item: String) {
+        #expect(throws: MountOptions.ParseError.self) {
+            _ = try MountOptions.parse(arguments: ["-o", item, "b", "/mnt"], environment: [:])
+        }
+    }
 }

@@ -66,9 +66,38 @@ import StorageClient
     }
 
     @Test func metricsServerBindsLoopbackAndRefusesNonsense() throws {
-        let server = try MetricsServer(host: "127.0.0.1", port: 0)
-        #expect(server.port > 0)
-        #expect(throws: MetricsServer.Refused.self) { try MetricsServer(host: "not-an-address", port: 0) }
+        let server = try MetricsServer(.tcp(host: "127.0.0.1", port: 0))
+        #expect(server.port > 0 && server.bindProblem == nil)
+        #expect(throws: MetricsServer.Refused.self) { try MetricsServer(.tcp(host: "not-an-address", port: 0)) }
+    }
+
+    /// A port another process holds is a warning to retry, not a failed mount (issue 43, item 4).
+    @Test func aTakenPortIsABindProblemNotARefusal() throws {
+        let first = try MetricsServer(.tcp(host: "127.0.0.1", port: 0))
+        let second = try MetricsServer(.tcp(host: "127.0.0.1", port: first.port))
+        #expect(second.port == 0)
+        #expect(second.bindProblem?.contains("cannot listen there") == true && second.bindProblem?.contains("retrying") == true)
+    }
+
+    @Test func aUnixSocketIsOwnerAndGroupOnlyAndNeverReplacesAForeignFile() throws {
+        let dir = NSTemporaryDirectory() + "storefs-metrics-\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        try FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: false)
+        defer { try? FileManager.default.removeItem(atPath: dir) }
+        let path = dir + "/m.sock"
+        do {
+            let server = try MetricsServer(.unix(path: path))
+            var st = stat()
+            #expect(lstat(path, &st) == 0 && st.st_mode & S_IFMT == S_IFSOCK && st.st_mode & 0o777 == 0o660)
+            // Served by this process: a second one is refused rather than stealing it.
+            #expect(throws: MetricsServer.Refused.self) { try MetricsServer(.unix(path: path)) }
+            withExtendedLifetime(server) {}
+        }
+        // Left behind by a run that is gone: replaced.
+        #expect(throws: Never.self) { _ = try MetricsServer(.unix(path: path)) }
+        let file = dir + "/plain"
+        #expect(FileManager.default.createFile(atPath: file, contents: Data("x".utf8)))
+        #expect(throws: MetricsServer.Refused.self) { try MetricsServer(.unix(path: file)) }
+        #expect(FileManager.default.fileExists(atPath: file))
     }
 
     @Test func metricsOptionIsLoopbackUnlessBindAnyIsGiven() throws {
@@ -76,7 +105,7 @@ import StorageClient
             Issue.record("not a mount")
             return
         }
-        #expect(o.metricsHost == "127.0.0.1" && o.metricsPort == 9464 && o.logFormat == .json && o.logFile == "/l")
+        #expect(o.metrics == .tcp(host: "127.0.0.1", port: 9464) && o.logFormat == .json && o.logFile == "/l")
         #expect(throws: MountOptions.ParseError.self) {
             try MountOptions.parse(arguments: ["-o", "metrics=0.0.0.0:9464", "b", "/m"], environment: [:])
         }
@@ -84,7 +113,15 @@ import StorageClient
             Issue.record("not a mount")
             return
         }
-        #expect(any.metricsHost == "0.0.0.0" && any.metricsBindAny)
+        #expect(any.metrics == .tcp(host: "0.0.0.0", port: 9464) && any.metricsBindAny)
+        guard case .mount(let unix) = try MountOptions.parse(arguments: ["-o", "metrics=unix:/run/s.sock", "b", "/m"], environment: [:]) else {
+            Issue.record("not a mount")
+            return
+        }
+        #expect(unix.metrics == .unix(path: "/run/s.sock"))
+        #expect(throws: MountOptions.ParseError.self) {
+            try MountOptions.parse(arguments: ["-o", "metrics=unix:relative.sock", "b", "/m"], environment: [:])
+        }
         #expect(throws: MountOptions.ParseError.self) {
             try MountOptions.parse(arguments: ["-o", "metrics=127.0.0.1:70000", "b", "/m"], environment: [:])
         }

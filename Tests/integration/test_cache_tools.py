@@ -38,8 +38,16 @@ def tbucket(emulator):
     return emulator
 
 
-def cached(path: str) -> int:
-    return int(os.getxattr(path, "user.storefs.cached"))
+def cached(path: str, want: int | None = None, timeout: float = 5.0) -> int:
+    """user.storefs.cached; with `want`, once it reaches it (or its value after `timeout`):
+    the attribute answers from the cache as it is, and a download's cache copy is written
+    after the read it answered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = int(os.getxattr(path, "user.storefs.cached"))
+        if want is None or value >= want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
 
 
 def storefs(storefs_bin, *args, timeout=120, **kw):
@@ -64,7 +72,7 @@ def test_prefetch_warms_a_tree_that_then_reads_offline(mount, tbucket, proxy, st
     # The empty file needs nothing: it counts as cached.
     assert "4 of 4 files fetched" in r.stderr and "1 already cached" in r.stderr, r.stderr
     for name, data in TREE.items():
-        assert cached(m.p(name)) == len(data), name
+        assert cached(m.p(name), len(data)) == len(data), name
     media = proxy.counts.get("media", 0)
     again = storefs(storefs_bin, "prefetch", m.p("warm"))
     assert again.returncode == 0 and "5 already cached" in again.stderr, again.stderr
@@ -90,7 +98,7 @@ def test_prefetch_names_every_path_it_could_not_fetch(mount, tbucket, proxy, sto
     assert any(missing in l for l in failed), r.stderr
     assert any(m.p("private") in l for l in failed), r.stderr
     assert len(failed) == 3, r.stderr
-    assert cached(m.p("other/x.bin")) == len(OTHER["other/x.bin"])
+    assert cached(m.p("other/x.bin"), len(OTHER["other/x.bin"])) == len(OTHER["other/x.bin"])
     bad = storefs(storefs_bin, "prefetch", "-j", "0", m.p("other"))
     assert bad.returncode == 2 and "-j 0" in bad.stderr
 
@@ -107,7 +115,7 @@ def test_ctrl_c_stops_prefetch_and_keeps_what_was_fetched(mount, tbucket, emulat
         deadline = time.monotonic() + 30
         while cached(m.p("slow/s1.bin")) < 2 * MiB and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert cached(m.p("slow/s1.bin")) == 2 * MiB
+        assert cached(m.p("slow/s1.bin"), 2 * MiB) == 2 * MiB
         time.sleep(0.5)
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
@@ -115,7 +123,7 @@ def test_ctrl_c_stops_prefetch_and_keeps_what_was_fetched(mount, tbucket, emulat
         assert time.monotonic() - t0 < 10, "Ctrl-C did not stop prefetch promptly"
         assert p.returncode == 130, err
         assert "interrupted" in err and "2 of 6 files fetched" in err, err
-        assert cached(m.p("slow/s0.bin")) == 2 * MiB
+        assert cached(m.p("slow/s0.bin"), 2 * MiB) == 2 * MiB
     finally:
         slow.stop()
 
@@ -133,7 +141,7 @@ def test_cache_status_and_clear_while_mounted_and_after(mount, tbucket, storefs_
     # Clearing under a live mount is refused unless --force.
     r = storefs(storefs_bin, "cache", "clear", m.cache_dir)
     assert r.returncode == 1 and "in use" in r.stderr and "--force" in r.stderr, r.stderr
-    assert cached(m.p("other/x.bin")) == len(OTHER["other/x.bin"])
+    assert cached(m.p("other/x.bin"), len(OTHER["other/x.bin"])) == len(OTHER["other/x.bin"])
     r = storefs(storefs_bin, "cache", "clear", "--force", m.cache_dir)
     assert r.returncode == 0 and "through the mount" in r.stdout, (r.stdout, r.stderr)
     assert cached(m.p("other/x.bin")) == 0 and cached(m.p("other/y.bin")) == 0
@@ -174,7 +182,7 @@ def test_deleting_the_cache_under_a_live_mount_is_recovered(mount, tbucket, stor
     # A new object: the daemon makes the directory again and caches into it.
     assert read_whole(m.p("other/y.bin")) == OTHER["other/y.bin"]
     assert os.path.isdir(version) and (os.stat(version).st_mode & 0o777) == 0o700
-    assert cached(m.p("other/y.bin")) == len(OTHER["other/y.bin"])
+    assert cached(m.p("other/y.bin"), len(OTHER["other/y.bin"])) == len(OTHER["other/y.bin"])
     blk = [f for _, _, fs in os.walk(version) for f in fs if f.endswith(".blk")]
     assert len(blk) == 1, blk
     # The mount kept the cache: a second mount of the same cache_dir is refused.
@@ -185,6 +193,6 @@ def test_deleting_the_cache_under_a_live_mount_is_recovered(mount, tbucket, stor
     assert not os.path.ismount(mnt)
     # The file read before the deletion is read (and cached) again.
     assert read_whole(m.p("other/x.bin")) == OTHER["other/x.bin"]
-    assert cached(m.p("other/x.bin")) == len(OTHER["other/x.bin"])
+    assert cached(m.p("other/x.bin"), len(OTHER["other/x.bin"])) == len(OTHER["other/x.bin"])
     r = storefs(storefs_bin, "cache", "status", m.cache_dir)
     assert f"pid {m.pid}" in r.stdout, r.stdout

@@ -12,6 +12,8 @@ import os
 import re
 import signal
 import socket
+import stat
+import threading
 import subprocess
 import time
 import urllib.error
@@ -222,17 +224,41 @@ def test_stats_count_errors_by_errno(mount, obucket):
 
 def test_stats_are_the_mounting_users_only(mount, obucket):
     m = mount(OPS, options=["allow_other"])
+    os.chmod(mount.tmp, 0o711)   # nobody may pass through to the mount, or EACCES proves nothing
 
     def as_nobody():
         os.setgid(65534)
         os.setuid(65534)
 
     probe = ("import os,errno\n"
+             "os.stat(%r)\n"
              "try:\n os.getxattr(%r,'user.storefs.stats'); print('read')\n"
-             "except OSError as e: print(errno.errorcode[e.errno])\n" % m.path)
+             "except OSError as e: print(errno.errorcode[e.errno])\n" % (m.path, m.path))
     r = subprocess.run(["python3", "-c", probe], capture_output=True, text=True, preexec_fn=as_nobody, timeout=30)
     assert r.stdout.strip() == "EACCES", (r.stdout, r.stderr)
     assert "cache" in stats(m.path)
+
+
+def test_cached_attribute_is_the_mounting_users_only(mount, obucket):
+    """What was just read tells what another user reads: like stats, `cached` is the mounting
+    user's and root's (issue 43, item 5)."""
+    m = mount(OPS, options=["allow_other"])
+    os.chmod(mount.tmp, 0o711)   # nobody may pass through to the mount, or EACCES proves nothing
+    path = m.p("stats/partial.bin")
+
+    def as_nobody():
+        os.setgid(65534)
+        os.setuid(65534)
+
+    probe = ("import os,errno\n"
+             "assert open(%r,'rb').read(1)\n"
+             "try:\n os.getxattr(%r,'user.storefs.cached'); print('read')\n"
+             "except OSError as e: print(errno.errorcode[e.errno])\n"
+             "print('listed' if 'user.storefs.cached' in os.listxattr(%r) else 'hidden')\n" % (path, path, path))
+    r = subprocess.run(["python3", "-c", probe], capture_output=True, text=True, preexec_fn=as_nobody, timeout=30)
+    assert r.stdout.split() == ["EACCES", "hidden"], (r.stdout, r.stderr)
+    assert int(os.getxattr(path, "user.storefs.cached")) > 0   # nobody's read, told to root
+    assert "user.storefs.cached" in os.listxattr(path)
 
 
 # ---------------------------------------------------------------- metrics
@@ -287,16 +313,86 @@ def test_metrics_stay_on_loopback_unless_asked(mount, obucket):
     r = run_storefs(argv)
     assert r.returncode != 0 and "metrics_bind_any" in r.stderr, r.stderr
     assert len([l for l in r.stderr.splitlines() if l.strip()]) == 1
+    assert not os.path.ismount(mnt)
+
+
+def test_a_taken_metrics_port_warns_and_is_served_once_free(mount, obucket):
+    """Whoever holds the port (a user who grabbed it first, or while a crashed mount restarts)
+    does not keep the mount down: a warning, then the port once it is free (issue 43, item 4)."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
+    port = taken.getsockname()[1]
     try:
-        argv, _ = mount.argv(OPS, mnt, endpoint=None, options=[f"metrics=127.0.0.1:{taken.getsockname()[1]}"])
-        r = run_storefs(argv)
-        assert r.returncode != 0 and "cannot listen" in r.stderr, r.stderr
+        m = mount(OPS, options=[f"metrics=127.0.0.1:{port}"])
+        assert "cannot listen there" in m.stderr() and "retrying" in m.stderr(), m.stderr()
+        assert read_whole(m.p("metrics/m.bin")) == FILES["metrics/m.bin"]
     finally:
         taken.close()
-    assert not os.path.ismount(mnt)
+    deadline = time.monotonic() + 25
+    while True:
+        try:
+            assert scrape(port)["storefs_fuse_read_bytes_total"] >= len(FILES["metrics/m.bin"])
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline, "the freed port was never listened on"
+            time.sleep(0.5)
+
+
+def test_trickling_clients_do_not_stall_scrapes(mount, obucket):
+    """A client sending a byte every 4 s made three scrapes in a row time out: each scrape has one
+    deadline, and several are served at once."""
+    port = free_port()
+    mount(OPS, options=[f"metrics=127.0.0.1:{port}"])
+    scrape(port)
+    stop = threading.Event()
+
+    def trickle():
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            for b in b"GET /metrics HTTP/1.1\r\n":
+                if stop.wait(4):
+                    return
+                try:
+                    c.send(bytes([b]))
+                except OSError:
+                    return   # dropped at its deadline
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        for _ in range(3):
+            t0 = time.monotonic()
+            scrape(port)
+            assert time.monotonic() - t0 < 2, "a scrape waited behind a trickling client"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+
+
+def test_metrics_on_a_unix_socket_are_the_owners_and_groups(mount, obucket, tmp_path):
+    sock = str(tmp_path / "metrics.sock")
+    m = mount(OPS, options=[f"metrics=unix:{sock}"])
+    st = os.lstat(sock)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    assert read_whole(m.p("metrics/m.bin")) == FILES["metrics/m.bin"]
+    with socket.socket(socket.AF_UNIX) as c:
+        c.settimeout(10)
+        c.connect(sock)
+        c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := c.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"storefs_fuse_read_bytes_total" in body
+    plain = tmp_path / "not-a-socket"
+    plain.write_bytes(b"keep me")
+    argv, _ = mount.argv(OPS, mount.new_dir("mnt"), endpoint=None, options=[f"metrics=unix:{plain}"])
+    r = run_storefs(argv)
+    assert r.returncode != 0 and "not a socket" in r.stderr, r.stderr
+    assert plain.read_bytes() == b"keep me"
 
 
 # ---------------------------------------------------------------- per file, statfs

@@ -6,11 +6,15 @@ import Foundation
 /// `HTTPClient` pools these rather than creating one per request.
 final class CurlEasy {
     let handle: UnsafeMutableRawPointer
+    /// The client's share (TLS sessions, DNS), kept alive while this handle uses it.
+    private let share: ShareBox
 
-    init() {
+    init(share: ShareBox) {
         CurlGlobal.ensureInitialised()
         guard let h = curl_easy_init() else { fatalError("curl_easy_init failed: out of memory") }
         handle = h
+        self.share = share
+        _ = ccurl_setopt_share(h, share.handle)
     }
 
     deinit { curl_easy_cleanup(handle) }
@@ -55,12 +59,27 @@ final class CurlTransfer {
     /// The window was full and the transfer was stopped on purpose (a 200 answer to a range).
     var stoppedEarly = false
     var failure: StorageError?
+    /// libcurl's words for a failure (CURLOPT_ERRORBUFFER): OpenSSL's reason for a TLS one.
+    let errorBuffer = UnsafeMutablePointer<CChar>.allocate(capacity: Int(CURL_ERROR_SIZE))
 
     private enum BodyMode { case undecided, collect, window, error }
 
     init(sink: Sink, isCancelled: (@Sendable () -> Bool)?) {
         self.sink = sink
         self.isCancelled = isCancelled
+        errorBuffer.initialize(to: 0)
+    }
+
+    deinit { errorBuffer.deallocate() }
+
+    /// The error buffer's text, bounded and with control characters dropped (it may quote a
+    /// server's certificate subject).
+    var errorDetail: String {
+        let bytes = UnsafeBufferPointer(start: errorBuffer, count: Int(CURL_ERROR_SIZE))
+            .prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }.filter { $0 >= 0x20 && $0 != 0x7f }
+        var text = String(decoding: bytes, as: UTF8.self)
+        while text.hasSuffix(" ") || text.hasSuffix(".") { text.removeLast() }
+        return text
     }
 
     func header(line: UnsafeBufferPointer<UInt8>) {

@@ -10,6 +10,8 @@ public struct HTTPResponse: Sendable {
     public var body: [UInt8]
     /// Bytes written into the caller's buffer by a window read.
     public var bytesRead: Int
+    /// The HTTP version the exchange used: "1.1" or "2" ("1.0" from an old server).
+    public var httpVersion: String = ""
 }
 
 /// Blocking HTTP over libcurl with connection reuse.
@@ -45,11 +47,33 @@ public final class HTTPClient: Sendable {
     private let loopbackOrigins = Mutex([(origin: [UInt8], isLoopback: Bool)]())
     private let timeouts: Timeouts
     private let userAgent: String
+    private let httpVersion: HTTPVersion
+    /// The certificates https is verified against: given at init, or the system store loaded
+    /// at the first https request (`TrustStore`). Set once, then only read.
+    private let trust: Mutex<TrustStore?>
+    /// TLS sessions and DNS answers shared by every handle, so a new connection resumes the
+    /// TLS session of an earlier one (an abbreviated handshake) instead of a full one.
+    private let share: ShareBox
 
-    public init(timeouts: Timeouts = Timeouts(), userAgent: String) {
+    /// `trust` nil: the system store. `httpVersion` applies to https; plain http is HTTP/1.1.
+    public init(timeouts: Timeouts = Timeouts(), userAgent: String, httpVersion: HTTPVersion = .http1_1,
+                trust: TrustStore? = nil) {
         self.timeouts = timeouts
         self.userAgent = userAgent
+        self.httpVersion = httpVersion
+        self.trust = Mutex(trust)
         CurlGlobal.ensureInitialised()
+        self.share = ShareBox()
+    }
+
+    /// The store for an https request, loading the system one the first time.
+    private func trustStore() throws(StorageError) -> TrustStore {
+        try trust.withLock { (held: inout TrustStore?) throws(StorageError) -> TrustStore in
+            if let held { return held }
+            let loaded = try TrustStore.system()
+            held = loaded
+            return loaded
+        }
     }
 
     /// GET `url` and collect at most `limit` bytes of body. `deadline` (monotonic seconds)
@@ -97,7 +121,7 @@ public final class HTTPClient: Sendable {
 
     /// A new connection for the first request made inside `ConnectionClaim.run`, never an
     /// idle one: for opening a connection ahead of need, which then joins the pool.
-    public func claimNewConnection() -> ConnectionClaim { ConnectionClaim(CurlEasy(), client: self) }
+    public func claimNewConnection() -> ConnectionClaim { ConnectionClaim(newEasy(), client: self) }
 
     /// Connections in the pool or in use (one set aside by a claim not yet used is not counted;
     /// a pooled one the server has closed since is: curl opens it again on use).
@@ -106,7 +130,13 @@ public final class HTTPClient: Sendable {
     private func checkout() -> CurlEasy {
         if let claimed = ConnectionClaim.current?.take() { return claimed }
         if let box = pool.withLock({ $0.idle.popLast() }) { return box.easy }
-        return CurlEasy()
+        return newEasy()
+    }
+
+    /// A handle of this client's: it shares TLS sessions and DNS answers with the others
+    /// (curl_easy_reset keeps the share).
+    private func newEasy() -> CurlEasy {
+        CurlEasy(share: share)
     }
 
     fileprivate func checkin(_ easy: CurlEasy) {
@@ -134,6 +164,7 @@ public final class HTTPClient: Sendable {
                                         untilEnd: untilEnd)
             record.status = response.status
             record.bytes = ranged ? response.bytesRead : response.body.count
+            record.httpVersion = response.httpVersion
             record.seconds = monotonicNow() - started
             observe(record)
             return response
@@ -157,6 +188,8 @@ public final class HTTPClient: Sendable {
             }
             timeLeftMS = max(1, Int(left * 1000))
         }
+        let isTLS = url.utf8.starts(with: "https:".utf8)
+        let store = isTLS ? try trustStore() : nil
         let easy = checkout()
         busy.add(1, ordering: .relaxed)
         defer { busy.subtract(1, ordering: .relaxed) }
@@ -176,6 +209,15 @@ public final class HTTPClient: Sendable {
         // reroute them elsewhere. Remote requests keep the environment's proxy (https is
         // end-to-end through it).
         if isLoopback(url) { _ = ccurl_setopt_str(h, CURLOPT_PROXY, "") }
+        if let store {
+            // Verification always on, against exactly this store (no option turns it off).
+            _ = ccurl_setopt_trust(h, store.store)
+            _ = ccurl_setopt_long(h, CURLOPT_HTTP_VERSION,
+                                  Int(httpVersion == .http2 ? CURL_HTTP_VERSION_2TLS : CURL_HTTP_VERSION_1_1))
+        } else {
+            _ = ccurl_setopt_long(h, CURLOPT_HTTP_VERSION, Int(CURL_HTTP_VERSION_1_1))
+        }
+        _ = ccurl_setopt_ptr(h, CURLOPT_ERRORBUFFER, transfer.errorBuffer)
         _ = ccurl_setopt_long(h, CURLOPT_NOSIGNAL, 1)
         _ = ccurl_setopt_long(h, CURLOPT_TCP_KEEPALIVE, 1)
         _ = ccurl_setopt_long(h, CURLOPT_CONNECTTIMEOUT_MS, Int(timeouts.connect * 1000))
@@ -243,11 +285,28 @@ public final class HTTPClient: Sendable {
                 throw StorageError(.retryLimitExceeded,
                                    "short ranged answer: got \(transfer.filled) of \(buffer.count) bytes", httpStatus: status)
             }
-            return HTTPResponse(status: status, headers: transfer.headers, body: transfer.body, bytesRead: transfer.filled)
+            var version = 0
+            _ = ccurl_getinfo_long(h, CURLINFO_HTTP_VERSION, &version)
+            return HTTPResponse(status: status, headers: transfer.headers, body: transfer.body, bytesRead: transfer.filled,
+                                httpVersion: Self.versionName(version))
         }
         // A failed transfer may leave the connection in an unknown state: drop the handle.
         if let failure = transfer.failure { throw failure }
         let reason = String(cString: curl_easy_strerror(rc))
+        let detail = transfer.errorDetail
+        switch rc {
+        case CURLE_PEER_FAILED_VERIFICATION:
+            var result = 0
+            _ = ccurl_getinfo_long(h, CURLINFO_SSL_VERIFYRESULT, &result)
+            if let e = TLSFailure.error(.verification(verifyResult: result), detail: detail, origin: Self.origin(of: url)) { throw e }
+        case CURLE_SSL_CONNECT_ERROR, CURLE_SSL_CIPHER:
+            if let e = TLSFailure.error(.handshake, detail: detail, origin: Self.origin(of: url)) { throw e }
+            throw StorageError(.retryLimitExceeded, "the TLS handshake with \(Self.origin(of: url)) was cut short: \(detail.isEmpty ? reason : detail)")
+        case CURLE_SSL_CACERT_BADFILE, CURLE_SSL_CERTPROBLEM, CURLE_SSL_ISSUER_ERROR:
+            if let e = TLSFailure.error(.localSetUp, detail: detail, origin: Self.origin(of: url)) { throw e }
+        default:
+            break
+        }
         switch rc {
         case CURLE_COULDNT_RESOLVE_HOST, CURLE_COULDNT_CONNECT, CURLE_COULDNT_RESOLVE_PROXY:
             throw StorageError(.unreachable, "cannot reach \(Self.origin(of: url)): \(reason)")
@@ -271,6 +330,17 @@ public final class HTTPClient: Sendable {
     /// transfers", Start.)
     static func firstByteDelay(firstByte: Double, setUp: Double) -> Double {
         max(0, firstByte - setUp)
+    }
+
+    /// CURLINFO_HTTP_VERSION's value as logs show it.
+    static func versionName(_ version: Int) -> String {
+        switch version {
+        case Int(CURL_HTTP_VERSION_1_0): return "1.0"
+        case Int(CURL_HTTP_VERSION_1_1): return "1.1"
+        case Int(CURL_HTTP_VERSION_2_0): return "2"
+        case Int(CURL_HTTP_VERSION_3): return "3"
+        default: return ""
+        }
     }
 
     /// Whether `url` names this machine. Called for every request, so the answer is kept per
@@ -315,6 +385,18 @@ public final class HTTPClient: Sendable {
         if let at = authority.lastIndex(of: "@") { authority = authority[authority.index(after: at)...] }
         return String(url[..<r.upperBound]) + authority
     }
+}
+
+/// The curl share handle of one client (TLS sessions, DNS); it lives as long as the process's
+/// clients do, and is never cleaned up while a handle may still use it.
+/// The curl share handle of one client (TLS sessions, DNS). Each handle that uses it holds it
+/// (`CurlEasy.share`), so it is cleaned up only after the last of them.
+final class ShareBox: @unchecked Sendable {
+    let handle: UnsafeMutableRawPointer?
+
+    init() { handle = ccurl_share_new() }
+
+    deinit { if let handle { curl_share_cleanup(handle) } }
 }
 
 /// A warm connection set aside for one piece of work (`HTTPClient.claimIdleConnection`): the

@@ -47,6 +47,8 @@ public struct HTTPExchangeRecord: Sendable {
     public var attempt: Int
     /// Why it failed when no status came.
     public var failure: String?
+    /// "1.1" or "2": the HTTP version of the answer; empty when none came.
+    public var httpVersion = ""
 }
 
 /// Hooks through which the daemon counts and logs what the storage client does. Set once at

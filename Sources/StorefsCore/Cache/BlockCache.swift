@@ -333,8 +333,14 @@ public final class BlockCache: Sendable {
 
     private func create(format: CacheFileFormat, hex: String) -> CachedObject? {
         var made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
-        if made.error != nil, recoverIfRemovedHoldingCreator() {
+        if made.error != nil, !made.outOfDescriptors, recoverIfRemovedHoldingCreator() {
             made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
+        }
+        if let why = made.error, made.outOfDescriptors {
+            // One reader holding many files open must not pause the cache for everyone: this
+            // object is read uncached, the others keep their cache (issue 43, item 3).
+            Log.warn("cache: no file descriptor to spare, a file is read uncached", ["error": why])
+            return nil
         }
         if let why = made.error {
             degrade(why)

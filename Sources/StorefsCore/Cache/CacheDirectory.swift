@@ -244,24 +244,27 @@ final class CacheDirectory: Sendable {
 
     /// Writes a new cache file (`header`, then sized to `size`) under a temporary name and
     /// renames it into place. Returns nil and a reason on failure.
-    func createFile(_ hex: String, header: [UInt8], size: Int64) -> (created: Bool, error: String?) {
+    /// `outOfDescriptors`: the process (EMFILE) or the system (ENFILE) had no descriptor to
+    /// spare, which says nothing about the cache (BlockCache does not pause for it).
+    func createFile(_ hex: String, header: [UInt8], size: Int64) -> (created: Bool, error: String?, outOfDescriptors: Bool) {
         guard let dir = shard(hex, create: true) else {
-            return (false, "cannot create the shard directory \(versionPath)/\(hex.prefix(2)): \(errnoText())")
+            let full = errno == EMFILE || errno == ENFILE
+            return (false, "cannot create the shard directory \(versionPath)/\(hex.prefix(2)): \(errnoText())", full)
         }
         defer { close(dir) }
         let final = Self.fileName(hex)
         let temp = "\(final).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
         let fd = openat(dir, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
-        guard fd >= 0 else { return (false, "cannot create a cache file: \(errnoText())") }
+        guard fd >= 0 else { return (false, "cannot create a cache file: \(errnoText())", errno == EMFILE || errno == ENFILE) }
         defer { close(fd) }
         let ok = header.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } == header.count
             && ftruncate(fd, off_t(size)) == 0
         guard ok, renameat(dir, temp, dir, final) == 0 else {
             let why = errnoText()
             unlinkat(dir, temp, 0)
-            return (false, "cannot write a cache file: \(why)")
+            return (false, "cannot write a cache file: \(why)", false)
         }
-        return (true, nil)
+        return (true, nil, false)
     }
 
     /// Removes the cache file of `hex` (the name only: a link is never followed).

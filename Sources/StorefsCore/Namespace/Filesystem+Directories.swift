@@ -284,10 +284,13 @@ extension Filesystem {
         var seenTokens = Set<String>()
         var entries = 0
         var pages = 0
+        defer { listingEntriesInFlight.subtract(entries, ordering: .relaxed) }
         do throws(StorageError) {
             repeat {
                 let page = try store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
-                entries += page.items.count + page.prefixes.count
+                let added = page.items.count + page.prefixes.count
+                entries += added
+                let inFlight = listingEntriesInFlight.add(added, ordering: .relaxed).newValue
                 token = page.nextPageToken
                 stream.add(page, last: token == nil)
                 if pages == 0 { firstPage?() }
@@ -296,8 +299,12 @@ extension Filesystem {
                 if let t = token, !seenTokens.insert(t).inserted {
                     throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): the server repeated a page token (the listing loops)")
                 }
-                if entries > Self.maxListingEntries {
-                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): more than \(Self.maxListingEntries) entries in one directory")
+                if entries > config.listingEntryLimit {
+                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): more than \(config.listingEntryLimit) entries in one directory")
+                }
+                if inFlight > config.listingEntriesInFlightLimit {
+                    throw StorageError(.invalidResponse,
+                                       "list gs://\(reference.bucket)/\(prefix): the listings being fetched at once hold more than \(config.listingEntriesInFlightLimit) entries")
                 }
             } while token != nil
             health.noteSuccess()

@@ -13,7 +13,7 @@ extension Filesystem {
         var names = try xattrs(inode, withURL: false, network: network).map(\.0)
         if inode == Self.rootInode && (uid == 0 || uid == config.downloadURL.ownerUID) { names.append(Self.statsAttribute) }
         guard try isFile(inode) else { return names }
-        names.append(Self.cachedAttribute)
+        if uid == 0 || uid == config.downloadURL.ownerUID { names.append(Self.cachedAttribute) }
         guard config.downloadURL.allows(uid) else { return names }
         return [Self.downloadURLAttribute] + names
     }

@@ -140,17 +140,23 @@ extension Filesystem {
             Log.info("cache cleared on request", ["dir": cache.directory, "before_bytes": String(before), "after_bytes": String(after)])
             return Array("{\"dir\":\(LogLine.jsonString(cache.directory)),\"before_bytes\":\(before),\"after_bytes\":\(after)}".utf8)
         }
-        if name == Self.cachedAttribute, let bytes = cachedBytes(inode) { return Array(String(bytes).utf8) }
+        if name == Self.cachedAttribute, let bytes = cachedBytes(inode) {
+            // What was just read tells what another user is reading: the mounting user's and root's.
+            guard uid == 0 || uid == config.downloadURL.ownerUID else {
+                throw FilesystemError(.permissionDenied, "cached is readable by the mounting user and root only")
+            }
+            return Array(String(bytes).utf8)
+        }
         return nil
     }
 
-    /// Bytes of a file's current generation held in the block cache; nil for a directory.
+    /// Bytes of a file's current generation held in the block cache now; nil for a directory.
+    /// It never waits: a download's cache copy is written after the read it answered was
+    /// replied to, so a count taken right after a read may still grow for a moment.
     func cachedBytes(_ inode: UInt64) -> Int64? {
         guard let node = table.withLock({ $0.nodes[inode] }), case .file(let record) = node.kind else { return nil }
         guard let cache = reader.cache else { return 0 }
-        let name = objectName(of: node.path)
-        reader.awaitCacheCopies(of: name, generation: record.generation, timeout: 2)
-        return cache.cachedBytes(endpoint: reader.endpoint, bucket: reference.bucket, name: name,
+        return cache.cachedBytes(endpoint: reader.endpoint, bucket: reference.bucket, name: objectName(of: node.path),
                                  generation: record.generation, size: record.size)
     }
 

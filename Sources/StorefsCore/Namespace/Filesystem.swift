@@ -46,6 +46,12 @@ public final class Filesystem: Sendable {
         public var ownerGiven = false
         /// Show gcsfuse's symlink objects as symlinks (`symlinks=`).
         public var symlinks = true
+        /// Entries one directory listing may have; past it the listing is EIO (docs/security.md,
+        /// "Local users on an allow_other mount").
+        public var listingEntryLimit = 5_000_000
+        /// Entries all listings being fetched at once may hold together (64 metadata and 4
+        /// list-ahead threads can each be fetching one): the listing whose page passes it is EIO.
+        public var listingEntriesInFlightLimit = 10_000_000
 
         public init(statTTL: Double = 60, listTTL: Double = 60, negativeTTL: Double = 5, uid: UInt32 = getuid(),
                     gid: UInt32 = getgid(), fileMode: UInt32 = 0o644, dirMode: UInt32 = 0o755,
@@ -68,8 +74,6 @@ public final class Filesystem: Sendable {
     public static let rootInode: UInt64 = 1
     /// Default `metadata_cache_size` (docs/architecture.md, "Metadata memory").
     public static let defaultMetadataCacheSize = 262_144
-    /// Entries one directory listing may have (docs/security.md): past it the listing is EIO.
-    static let maxListingEntries = 5_000_000
 
     public let config: Config
     public let reference: StorageReference
@@ -90,6 +94,8 @@ public final class Filesystem: Sendable {
     let handles = Mutex(Handles())
     let shadowLogged = Mutex(Set<ByteName>())
     let listingFlights = Mutex([ByteName: ListingFlight]())
+    /// Entries held by listings being fetched (`Config.listingEntriesInFlightLimit`).
+    let listingEntriesInFlight = Atomic<Int>(0)
     let firstPages = Mutex(FirstPageCache())
     let listingPoolSlot = Mutex<WorkerPool?>(nil)
     let probePoolSlot = Mutex<WorkerPool?>(nil)

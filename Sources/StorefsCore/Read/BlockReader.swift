@@ -482,17 +482,6 @@ public final class BlockReader: Sendable {
         }
     }
 
-    /// Waits (at most `timeout` seconds) while downloads of that generation of `name` that
-    /// finished, and may have been served, still have their cache copy being written (a
-    /// reader's own is written after its reply): what the cache then reports includes every
-    /// byte served (`user.storefs.cached` right after a `cat`).
-    func awaitCacheCopies(of name: String, generation: Int64, timeout: Double) {
-        let key = ObjectKey(object: ByteName(name), generation: generation)
-        guard let table = tables.withLock({ $0[key]?.table }) else { return }
-        let deadline = now() + timeout
-        while table.hasPendingStores, now() < deadline { Thread.sleep(forTimeInterval: 0.001) }
-    }
-
     /// Whether the cache holds any bytes of that generation of `name`.
     func hasCachedBytes(of name: String, generation: Int64, size: Int64) -> Bool {
         (cache?.cachedBytes(endpoint: endpoint, bucket: store.bucket, name: name, generation: generation, size: size) ?? 0) > 0
@@ -1038,8 +1027,6 @@ final class FlightTable: Sendable {
     func unstored(except flight: Flight) -> [Flight] { pendingStores.withLock { $0.filter { $0 !== flight } } }
 
     func noteUnstored(_ flight: Flight) { pendingStores.withLock { $0.append(flight) } }
-
-    var hasPendingStores: Bool { pendingStores.withLock { !$0.isEmpty } }
 
     /// Its cache copy is made (or will never be).
     func stored(_ flight: Flight) { pendingStores.withLock { $0.removeAll { $0 === flight } } }

@@ -133,6 +133,7 @@ public final class Metrics: Sendable {
             if Log.enabled(.debug) {
                 var fields = [("method", r.method), ("kind", r.kind.rawValue), ("target", r.target), ("status", String(r.status)),
                               ("bytes", String(r.bytes)), ("dur_ms", LogLine.milliseconds(r.seconds)), ("attempt", String(r.attempt))]
+                if !r.httpVersion.isEmpty { fields.append(("http", r.httpVersion)) }
                 if let failure = r.failure { fields.append(("error", failure)) }
                 Log.log(.debug, "http", fields: fields)
             }

@@ -1,77 +1,207 @@
 import Foundation
 import Glibc
+import StorageClient
+import Synchronization
 
-/// `metrics=ADDRESS:PORT`: Prometheus text at `GET /metrics` (docs/operations.md, "Metrics").
+/// `metrics=ADDRESS:PORT` or `metrics=unix:PATH`: Prometheus text at `GET /metrics`
+/// (docs/operations.md, "Metrics"; docs/security.md, "Local users on an allow_other mount").
 ///
-/// Bound before daemonizing (a taken port is an error at the prompt), served after on one
-/// thread, one connection at a time: a scrape is a few kilobytes, and a client that sends
-/// nothing, or too much, is dropped after `timeout` seconds or `maxRequest` bytes. Only
-/// GET (and HEAD) of `/metrics` is answered; nothing a client sends changes anything.
+/// - **A TCP port** is open to every local user (nothing authenticates a scrape). A port that
+///   cannot be bound (another process holds it, say one that grabbed it while storefs was
+///   restarting) does not keep the mount down: it is a warning, and the port is tried again
+///   every `retrySeconds` until it is free.
+/// - **A unix socket** (`unix:PATH`) is mode 0660: the mounting user and its group. Its
+///   directory must exist; a stale socket of ours is replaced, anything else at PATH refuses
+///   the mount (a file someone else put there is never removed).
+///
+/// Scrapes are served by `servers` threads at once, each bounded by one `deadline` for the
+/// whole request (a client trickling a byte every few seconds is dropped when it runs out,
+/// not kept alive by each byte) and `maxRequest` bytes. Only GET (and HEAD) of `/metrics` is
+/// answered; nothing a client sends changes anything.
 public final class MetricsServer: @unchecked Sendable {
     public struct Refused: Error, Sendable {
         public let message: String
     }
 
+    /// Where scrapes come in.
+    public enum Address: Sendable, Equatable {
+        case tcp(host: String, port: Int)
+        case unix(path: String)
+
+        var text: String {
+            switch self {
+            case .tcp(let host, let port): return "\(host):\(port)"
+            case .unix(let path): return "unix:\(path)"
+            }
+        }
+    }
+
     static let maxRequest = 8192
-    static let timeout = 5
+    /// Seconds one scrape may take from accept to the last byte sent.
+    static let deadline = 5.0
+    /// Threads serving scrapes at once.
+    static let servers = 4
+    /// Seconds between tries of a TCP port that could not be bound.
+    static let retrySeconds = 10.0
 
-    private let fd: Int32
-    public let port: Int
+    public let address: Address
+    /// The listening socket and the TCP port it has (port 0 asks for a free one: this says
+    /// which), once bound: set once, by `init` or the retry thread, then only read.
+    private let listener = Mutex<(fd: Int32, port: Int)>((-1, 0))
+    /// Why the TCP port could not be bound at mount (a warning then; `start` keeps trying).
+    public let bindProblem: String?
 
-    /// Binds `host:port` (IPv4; `localhost` is 127.0.0.1). Port 0 takes a free one.
-    public init(host: String, port: Int) throws(Refused) {
-        var addr = sockaddr_in()
+    /// The TCP port listened on; 0 while not bound, or for a unix socket.
+    public var port: Int { listener.withLock { $0.port } }
+
+    /// Binds `address`. A unix socket that cannot be made, or an address that is not an IPv4
+    /// one, is refused; a TCP bind failure is kept in `bindProblem` and retried from `start`.
+    public init(_ address: Address) throws(Refused) {
+        self.address = address
+        switch address {
+        case .tcp(let host, let port):
+            var addr = sockaddr_in()
+            guard inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host, &addr.sin_addr) == 1 else {
+                throw Refused(message: "metrics=\(host):\(port): \(host) is not an IPv4 address such as 127.0.0.1")
+            }
+            switch Self.bindTCP(addr: addr, port: port) {
+            case .success(let bound):
+                listener.withLock { $0 = bound }
+                bindProblem = nil
+            case .failure(let why):
+                bindProblem = "metrics=\(host):\(port): cannot listen there (\(why.message)): retrying every \(Int(Self.retrySeconds)) s; choose another port if it stays taken"
+            }
+        case .unix(let path):
+            let fd = try Self.bindUnix(path)
+            listener.withLock { $0 = (fd, 0) }
+            bindProblem = nil
+        }
+    }
+
+    deinit {
+        let fd = listener.withLock { $0.fd }
+        if fd >= 0 { close(fd) }
+    }
+
+    private static func bindTCP(addr: sockaddr_in, port: Int) -> Result<(fd: Int32, port: Int), Refused> {
+        var addr = addr
         addr.sin_family = sa_family_t(AF_INET)
         addr.sin_port = in_port_t(UInt16(port).bigEndian)
-        let numeric = host == "localhost" ? "127.0.0.1" : host
-        guard inet_pton(AF_INET, numeric, &addr.sin_addr) == 1 else {
-            throw Refused(message: "metrics=\(host):\(port): \(host) is not an IPv4 address such as 127.0.0.1")
-        }
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { throw Refused(message: "metrics: cannot make a socket: \(String(cString: strerror(errno)))") }
+        guard fd >= 0 else { return .failure(Refused(message: errnoText())) }
         var one: Int32 = 1
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, socklen_t(MemoryLayout<Int32>.size))
         let bound = withUnsafePointer(to: &addr) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
         }
-        guard bound == 0, listen(fd, 16) == 0 else {
-            let why = String(cString: strerror(errno))
+        guard bound == 0, listen(fd, 64) == 0 else {
+            let why = errnoText()
             close(fd)
-            throw Refused(message: "metrics=\(host):\(port): cannot listen there: \(why) (choose another port)")
+            return .failure(Refused(message: why))
         }
         var actual = sockaddr_in()
         var length = socklen_t(MemoryLayout<sockaddr_in>.size)
         _ = withUnsafeMutablePointer(to: &actual) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &length) }
         }
-        self.fd = fd
-        self.port = Int(UInt16(bigEndian: actual.sin_port))
+        return .success((fd: fd, port: Int(UInt16(bigEndian: actual.sin_port))))
     }
 
-    /// Serves scrapes on a thread of its own (start it after daemonizing).
-    public func start(render: @escaping @Sendable () -> String) {
-        let thread = Thread { [self] in
-            while true {
-                let client = accept(fd, nil, nil)
-                if client < 0 {
-                    if errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE { usleep(10_000); continue }
-                    Log.error("metrics: accept failed, no more scrapes", ["error": String(cString: strerror(errno))])
-                    return
-                }
-                _ = fcntl(client, F_SETFD, FD_CLOEXEC)
-                serve(client, render: render)
-                close(client)
+    /// A listening unix socket at `path`, mode 0660. A socket left there by an earlier run of
+    /// this user is replaced; anything else (a file, a link, someone else's socket) refuses.
+    static func bindUnix(_ path: String) throws(Refused) -> Int32 {
+        var addr = sockaddr_un()
+        addr.sun_family = sa_family_t(AF_UNIX)
+        let bytes = Array(path.utf8)
+        let room = MemoryLayout.size(ofValue: addr.sun_path)
+        guard path.hasPrefix("/"), bytes.count < room else {
+            throw Refused(message: "metrics=unix:\(path): give an absolute path of at most \(room - 1) bytes")
+        }
+        var st = stat()
+        if lstat(path, &st) == 0 {
+            guard st.st_mode & S_IFMT == S_IFSOCK, st.st_uid == geteuid() else {
+                throw Refused(message: "metrics=unix:\(path): something that is not a socket of this user is there already: remove it or choose another path")
             }
         }
-        thread.name = "storefs-metrics"
-        thread.start()
+        withUnsafeMutableBytes(of: &addr.sun_path) { raw in
+            raw.copyBytes(from: bytes)
+            raw[bytes.count] = 0
+        }
+        if st.st_mode & S_IFMT == S_IFSOCK {
+            guard !isListenedOn(addr) else {
+                throw Refused(message: "metrics=unix:\(path): another process serves that socket: choose another path")
+            }
+            unlink(path)  // ours, left by a run that ended without cleaning up
+        }
+        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else { throw Refused(message: "metrics=unix:\(path): cannot make a socket: \(errnoText())") }
+        // Made 0660 from the start (no window in which it is wider), owner and group.
+        let oldMask = umask(0o117)
+        let bound = withUnsafePointer(to: &addr) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        }
+        umask(oldMask)
+        guard bound == 0, listen(fd, 64) == 0 else {
+            let why = errnoText()
+            close(fd)
+            throw Refused(message: "metrics=unix:\(path): cannot listen there: \(why)")
+        }
+        return fd
+    }
+
+    /// Whether something accepts connections on the unix socket `addr`.
+    private static func isListenedOn(_ addr: sockaddr_un) -> Bool {
+        var addr = addr
+        let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else { return false }
+        defer { close(fd) }
+        return withUnsafePointer(to: &addr) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        } == 0
+    }
+
+    /// Serves scrapes (start it after daemonizing); a TCP port not bound yet is tried again
+    /// every `retrySeconds` first.
+    public func start(render: @escaping @Sendable () -> String) {
+        let retry = Thread { [self] in
+            while listener.withLock({ $0.fd }) < 0 {
+                Thread.sleep(forTimeInterval: Self.retrySeconds)
+                guard case .tcp(let host, let port) = address else { return }
+                var addr = sockaddr_in()
+                _ = inet_pton(AF_INET, host == "localhost" ? "127.0.0.1" : host, &addr.sin_addr)
+                if case .success(let bound) = Self.bindTCP(addr: addr, port: port) {
+                    listener.withLock { $0 = bound }
+                    Log.info("metrics: now listening", ["address": address.text])
+                }
+            }
+            for i in 0..<Self.servers {
+                let thread = Thread { [self] in acceptLoop(render: render) }
+                thread.name = "storefs-metrics-\(i)"
+                thread.start()
+            }
+        }
+        retry.name = "storefs-metrics"
+        retry.start()
+    }
+
+    private func acceptLoop(render: @escaping @Sendable () -> String) {
+        let fd = listener.withLock { $0.fd }
+        while true {
+            let client = accept(fd, nil, nil)
+            if client < 0 {
+                if errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE { usleep(10_000); continue }
+                Log.error("metrics: accept failed, no more scrapes on this thread", ["error": Self.errnoText()])
+                return
+            }
+            _ = fcntl(client, F_SETFD, FD_CLOEXEC)
+            serve(client, render: render)
+            close(client)
+        }
     }
 
     private func serve(_ client: Int32, render: () -> String) {
-        var tv = timeval(tv_sec: Self.timeout, tv_usec: 0)
-        setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
-        setsockopt(client, SOL_SOCKET, SO_SNDTIMEO, &tv, socklen_t(MemoryLayout<timeval>.size))
-        guard let request = Self.readHead(client) else { return }
+        let deadline = monotonicNow() + Self.deadline
+        guard let request = Self.readHead(client, deadline: deadline) else { return }
         let answer: (status: String, body: String, head: Bool)
         switch Self.route(request) {
         case .metrics(let head): answer = ("200 OK", render(), head)
@@ -85,20 +215,37 @@ public final class MetricsServer: @unchecked Sendable {
         if !answer.head { bytes += body }
         var sent = 0
         while sent < bytes.count {
-            let n = bytes.withUnsafeBytes { send(client, $0.baseAddress! + sent, bytes.count - sent, Int32(MSG_NOSIGNAL)) }
+            guard Self.wait(client, for: Int16(POLLOUT), until: deadline) else { return }
+            let n = bytes.withUnsafeBytes { send(client, $0.baseAddress! + sent, bytes.count - sent, Int32(MSG_NOSIGNAL | MSG_DONTWAIT)) }
+            if n < 0 && (errno == EAGAIN || errno == EINTR) { continue }
             if n <= 0 { return }
             sent += n
         }
     }
 
-    /// The request's head (up to the blank line), or nil if it did not come whole in time
-    /// and within `maxRequest` bytes.
-    static func readHead(_ client: Int32) -> [UInt8]? {
+    /// Whether `client` became ready for `events` before `deadline` (monotonic seconds).
+    static func wait(_ client: Int32, for events: Int16, until deadline: Double) -> Bool {
+        while true {
+            let left = deadline - monotonicNow()
+            if left <= 0 { return false }
+            var p = pollfd(fd: client, events: events, revents: 0)
+            let n = poll(&p, 1, Int32(max(1, (left * 1000).rounded(.up))))
+            if n > 0 { return true }
+            if n < 0 && errno == EINTR { continue }
+            return false
+        }
+    }
+
+    /// The request's head (up to the blank line), or nil if it did not come whole before
+    /// `deadline` and within `maxRequest` bytes.
+    static func readHead(_ client: Int32, deadline: Double) -> [UInt8]? {
         var buffer = [UInt8](repeating: 0, count: maxRequest)
         var used = 0
         let end: [UInt8] = [13, 10, 13, 10]
         while used < maxRequest {
-            let n = buffer.withUnsafeMutableBytes { recv(client, $0.baseAddress! + used, maxRequest - used, 0) }
+            guard wait(client, for: Int16(POLLIN), until: deadline) else { return nil }
+            let n = buffer.withUnsafeMutableBytes { recv(client, $0.baseAddress! + used, maxRequest - used, Int32(MSG_DONTWAIT)) }
+            if n < 0 && (errno == EAGAIN || errno == EINTR) { continue }
             if n <= 0 { return nil }
             used += n
             if used >= 4, buffer[0..<used].firstRange(of: end) != nil { return Array(buffer[0..<used]) }
@@ -120,4 +267,6 @@ public final class MetricsServer: @unchecked Sendable {
         let path = target.split(separator: "?", maxSplits: 1, omittingEmptySubsequences: false).first.map(String.init) ?? ""
         return path == "/metrics" ? .metrics(head: method == "HEAD") : .notFound
     }
+
+    private static func errnoText() -> String { String(cString: strerror(errno)) }
 }
