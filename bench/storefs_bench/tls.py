@@ -114,6 +114,7 @@ http {{
     keepalive_timeout 600s;
     http2_max_requests 1000000;
     http2_max_concurrent_streams 128;
+    http2_chunk_size 16k;   # DATA frames of 16 KiB, the HTTP/2 default SETTINGS_MAX_FRAME_SIZE
     ssl_protocols TLSv1.2 TLSv1.3;
     ssl_certificate {cert};
     ssl_certificate_key {key};
@@ -147,6 +148,11 @@ NGINX_SERVER = """\
             proxy_set_header Host {host};
 {rewrite}
             proxy_buffering off;
+            # unbuffered, nginx reads upstream into this one buffer (default a page: 4 KiB
+            # reads held the chain to ~200 MiB/s for one stream)
+            proxy_buffer_size 256k;
+            proxy_buffers 4 256k;
+            proxy_busy_buffers_size 256k;
             proxy_request_buffering off;
             proxy_max_temp_file_size 0;
             proxy_read_timeout 600s;
