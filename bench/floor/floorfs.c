@@ -13,6 +13,11 @@
  * GET is the floor of a cold random read, and this file's throughput is what FUSE + HTTP give
  * without a block cache (whose writes storefs pays for).
  *
+ * Over https (bench/run --tls) two environment variables set what every handle uses:
+ * FLOORFS_CA_FILE, a PEM bundle trusted instead of the system store (CURLOPT_CAINFO), and
+ * FLOORFS_HTTP_VERSION, 1.1 or 2 (CURLOPT_HTTP_VERSION; libcurl's own default over https is
+ * HTTP/2 by ALPN). Unset, libcurl's defaults apply, as before.
+ *
  * Built by bench/run with: cc -O2 floorfs.c -o floorfs $(pkg-config --cflags --libs fuse3 libcurl)
  */
 /* 312 or later: fuse_session_loop_mt() then takes the fuse_loop_cfg made below (see main). */
@@ -31,6 +36,8 @@
 static const char *object_url;
 static const char *file_name;
 static off_t file_size;
+static const char *ca_file;   /* FLOORFS_CA_FILE, or NULL */
+static long http_version = CURL_HTTP_VERSION_NONE; /* FLOORFS_HTTP_VERSION */
 
 struct sink {
     char *buf;
@@ -65,6 +72,8 @@ static struct slot *take_slot(void) {
     if (t) return t;
     t = calloc(1, sizeof *t);
     t->curl = curl_easy_init();
+    if (ca_file) curl_easy_setopt(t->curl, CURLOPT_CAINFO, ca_file);
+    curl_easy_setopt(t->curl, CURLOPT_HTTP_VERSION, http_version);
     t->buf = malloc(MAX_REQUEST);
     return t;
 }
@@ -207,6 +216,14 @@ int main(int argc, char **argv) {
     file_size = strtoll(argv[2], NULL, 10);
     file_name = argv[3];
     const char *mountpoint = argv[4];
+    ca_file = getenv("FLOORFS_CA_FILE");
+    const char *hv = getenv("FLOORFS_HTTP_VERSION");
+    if (hv && strcmp(hv, "1.1") == 0) http_version = CURL_HTTP_VERSION_1_1;
+    else if (hv && strcmp(hv, "2") == 0) http_version = CURL_HTTP_VERSION_2TLS;
+    else if (hv && *hv) {
+        fprintf(stderr, "floorfs: FLOORFS_HTTP_VERSION must be 1.1 or 2, not '%s'\n", hv);
+        return 2;
+    }
     curl_global_init(CURL_GLOBAL_DEFAULT);
 
     struct fuse_lowlevel_ops ops = {

@@ -101,7 +101,7 @@ class LinkProxy:
     """One linkproxy process. Times in its log are seconds since the proxy started."""
 
     def __init__(self, upstream_port: int, ttfb_ms=0, conn_mibps=0, total_mibps=0, setup_ms=0,
-                 log_path=None, workdir=None, port: int = 0, splice: bool = True):
+                 log_path=None, workdir=None, port: int = 0, splice: bool = True, raw: bool = False):
         self.upstream_port = int(upstream_port)
         self.settings = dict(ttfb_ms=ttfb_ms, conn_mibps=conn_mibps, total_mibps=total_mibps,
                              setup_ms=setup_ms)
@@ -109,6 +109,7 @@ class LinkProxy:
         self.log_path = log_path
         self.requested_port = port
         self.splice = splice
+        self.raw = raw  # --raw: no HTTP framing (TLS in front of a terminator): setup and caps, no TTFB
         self.port = 0
         self.url = ""
         self.proc: subprocess.Popen | None = None
@@ -127,7 +128,7 @@ class LinkProxy:
                "--setup-ms", str(s["setup_ms"]), "--ttfb-ms", str(s["ttfb_ms"]),
                "--conn-mibps", str(s["conn_mibps"]), "--total-mibps", str(s["total_mibps"]),
                "--log", self.log_path]
-        return cmd + ([] if self.splice else ["--no-splice"])
+        return cmd + ([] if self.splice else ["--no-splice"]) + (["--raw"] if self.raw else [])
 
     def start(self, timeout: float = 30.0) -> "LinkProxy":
         binary = build(self.workdir)

@@ -3,7 +3,7 @@
  * of storefs.
  *
  *     linkproxy --upstream PORT [--port N] [--setup-ms MS] [--ttfb-ms MS]
- *               [--conn-mibps R] [--total-mibps R] [--log FILE] [--no-splice]
+ *               [--conn-mibps R] [--total-mibps R] [--log FILE] [--no-splice] [--raw]
  *
  * Listens on 127.0.0.1:N (0, the default, picks a free port; "READY <port>" is printed on
  * stdout once it listens) and forwards every connection to 127.0.0.1:PORT, shaping what the
@@ -14,6 +14,10 @@
  *             connections too: the proxy follows HTTP/1.1 message framing in both directions;
  *   - conn-mibps / total-mibps: token buckets on the bytes sent to clients, per connection and
  *             over all connections (served round-robin when the shared bucket runs short).
+ *   - raw:    no HTTP framing at all (TLS bytes, HTTP/2): setup and both caps still apply, per
+ *             connection, but there is no TTFB (--raw refuses --ttfb-ms > 0). bench/run --tls
+ *             puts one raw proxy in front of the TLS terminator (setup, caps) and a TTFB-only
+ *             one behind it, where requests are HTTP/1.1 again.
  * Uploads (client -> server) are forwarded as fast as they come. README.md next to this file
  * says what is modelled, what is not, and how accurate it is.
  *
@@ -61,6 +65,7 @@ static struct {
     double setup_ms, ttfb_ms, conn_mibps, total_mibps;
     const char *log_path;
     bool splice;
+    bool raw; /* --raw: every connection is forwarded unframed from its first byte */
 } cfg = {.splice = true};
 
 static int64_t setup_ns, ttfb_ns;
@@ -1074,6 +1079,10 @@ static void conn_open(int client_fd, int64_t now) {
     c->upstream = (struct endpoint){EP_UPSTREAM, upstream_fd, false, !c->connecting, c};
     init_half(&c->up, c, &c->client, &c->upstream, false);
     init_half(&c->down, c, &c->upstream, &c->client, true);
+    if (cfg.raw) { /* TLS or HTTP/2 bytes: nothing to parse, so no TTFB; setup and caps hold */
+        go_raw(&c->up);
+        go_raw(&c->down);
+    }
     if (cfg.conn_mibps > 0) bucket_init(&c->bucket, cfg.conn_mibps, 2 * conn_min_send, now);
     c->ready_at = now + setup_ns;
     watch(&c->client);
@@ -1133,7 +1142,7 @@ static bool on_signal(int sfd) {
 
 static void usage(void) {
     fputs("usage: linkproxy --upstream PORT [--port N] [--setup-ms MS] [--ttfb-ms MS]\n"
-          "                 [--conn-mibps R] [--total-mibps R] [--log FILE] [--no-splice]\n",
+          "                 [--conn-mibps R] [--total-mibps R] [--log FILE] [--no-splice] [--raw]\n",
           stderr);
     exit(2);
 }
@@ -1154,6 +1163,7 @@ static void parse_args(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) usage();
         if (strcmp(a, "--no-splice") == 0) { cfg.splice = false; continue; }
+        if (strcmp(a, "--raw") == 0) { cfg.raw = true; continue; }
         if (strcmp(a, "--log") == 0) { if (!v) usage(); cfg.log_path = v; i++; continue; }
         double x = number_arg(a, v);
         if (strcmp(a, "--upstream") == 0) cfg.upstream_port = (int)x;
@@ -1166,6 +1176,10 @@ static void parse_args(int argc, char **argv) {
         i++;
     }
     if (cfg.upstream_port <= 0 || cfg.upstream_port > 65535 || cfg.port > 65535) usage();
+    if (cfg.raw && cfg.ttfb_ms > 0) {
+        complain("--raw forwards no HTTP framing, so it cannot hold responses: --ttfb-ms must be 0");
+        usage();
+    }
 }
 
 static void raise_fd_limit(void) {

@@ -17,6 +17,8 @@ Where a number comes from:
     scale.py      the --scale rows: listing walks of a bucket of millions of objects
     report.py     medians, ratios, verdicts, the tables and the JSON file
     chart.py      --chart: the table as bars (matplotlib), from a run or a saved JSON file
+    tls.py        --tls: the run's CA and certificate, nginx between the link's two proxies,
+                  what TLS costs, the listing walk over HTTPS
 
 `bench/run` only parses arguments, picks the setting and calls these.
 """

@@ -3,7 +3,7 @@
 dropped caches, unless it says otherwise:
 
 - `sequential`: cold `dd` of big.bin (cold_seq), the daemon's VmHWM after it (rss), its and the
-  server's CPU per GiB and the bytes the server sent; then the warm re-read on a remount with
+  server's CPU per GiB (with --tls the daemon's is a row too: cpu_gib) and the bytes the server sent; then the warm re-read on a remount with
   the same cache dir (warm_seq), and once more without drop_caches (an extra line).
 - `random`: 500 cold 4 KiB preads (rand_cold_*), then the same offsets from the daemon's
   cache (rand_cached_*), then again after drop_caches (an extra line).
@@ -132,6 +132,8 @@ def sequential_phase(sr: SystemRun) -> None:
             sr.put("rss", m.hwm_mib())
             if cpu0 is not None and cpu1 is not None:
                 sr.put_extra("daemon_cpu_s_per_gib_cold_seq", (cpu1 - cpu0) / (size / (1 << 30)))
+                if sr.ctx.pki is not None:  # --tls: a row of the table (decryption is in it)
+                    sr.put("cpu_gib", (cpu1 - cpu0) / (size / (1 << 30)))
             if srv0 is not None and srv1 is not None:
                 sr.put_extra("server_cpu_s_per_gib_cold_seq", (srv1 - srv0) / (size / (1 << 30)))
             log(f"  {sr.system} cold sequential {v:.0f} MiB/s, VmHWM {sr.last('rss'):.1f} MiB")

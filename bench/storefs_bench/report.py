@@ -21,7 +21,7 @@ from .data import BIG, TREE_DIRS, TREE_FILES_PER_DIR
 from .host import other_load_line
 from .phases import LINK_READERS, RAND_READS, READERS
 from .stats import median_or_none
-from .systems import MOUNT_SYSTEMS
+from .systems import MOUNT_SYSTEMS, TLS_MOUNT_SYSTEMS
 
 ROWS = [
     # key, label, unit, higher_is_better
@@ -48,12 +48,20 @@ LINK_ROWS = [
 ]
 
 
-def rows_for(link: bool) -> list:
-    """The table's rows: the loopback ones, plus LINK_ROWS after the 8 readers with --link."""
-    if not link:
-        return ROWS
-    i = [r[0] for r in ROWS].index("par8") + 1
-    return ROWS[:i] + LINK_ROWS + ROWS[i:]
+# --tls adds this last: what the bytes cost the daemon (decrypting them included).
+TLS_ROWS = [
+    ("cpu_gib", "daemon CPU-s per GiB, cold sequential", "s", False),
+]
+
+
+def rows_for(link: bool, tls: bool = False) -> list:
+    """The table's rows: the loopback ones, plus LINK_ROWS after the 8 readers with --link,
+    plus TLS_ROWS at the end with --tls."""
+    rows = ROWS
+    if link:
+        i = [r[0] for r in ROWS].index("par8") + 1
+        rows = ROWS[:i] + LINK_ROWS + ROWS[i:]
+    return rows + TLS_ROWS if tls else rows
 
 
 def memory_limit_mib(opts: str) -> float:
@@ -124,19 +132,27 @@ def versus(st, others: dict, higher: bool, unit: str, short=lambda s: s) -> dict
 
 
 # --------------------------------------------------------------------------- the loopback / --link table
-def columns(streams: int) -> list:
-    """The value columns: curl-1, curl-N (8 on loopback, 16 through a link), then the mounts."""
+def columns(streams: int, tls: bool = False) -> list:
+    """The value columns: curl-1, curl-N (8 on loopback, 16 through a link), then the mounts.
+    With --tls: curl over TLS with HTTP/1.1, curl-N-h2 the same N streams with HTTP/2, and
+    storefs-h2 (http_version=2) beside storefs (http_version=1.1)."""
+    if tls:
+        return ["curl-1", f"curl-{streams}", f"curl-{streams}-h2"] + TLS_MOUNT_SYSTEMS
     return ["curl-1", f"curl-{streams}"] + MOUNT_SYSTEMS
 
 
 def _baseline_cells(key: str, base: dict, streams: int, vals: dict, runs: dict) -> None:
     """The curl columns of the rows that have a curl counterpart."""
     cn, bn = f"curl-{streams}", f"curl{streams}"
+    h2 = f"{bn}_h2" in base  # --tls: curl-N over HTTP/2 too
     if key == "cold_seq":
         vals["curl-1"] = median_or_none(base["curl1"])
         vals[cn] = median_or_none(base[bn])
         runs["curl-1"], runs[cn] = base["curl1"], base[bn]
-    elif key == "par8":
+    if key in ("cold_seq", "par8") and h2:
+        vals[f"{cn}-h2"] = median_or_none(base[f"{bn}_h2"])
+        runs[f"{cn}-h2"] = base[f"{bn}_h2"]
+    if key == "par8":
         vals[cn] = median_or_none(base[bn])
         runs[cn] = base[bn]
     elif key in ("rand_cold_p50", "rand_cold_p99"):
@@ -173,14 +189,17 @@ def _target(key: str, vals: dict, streams: int, ml_mib: float, walk: float | Non
 
 
 def build_report(res: dict, base: dict, ml_mib: float, rclone_reason: str | None, systems: list,
-                 streams: int = READERS, link: bool = False) -> list:
-    """One dict per row: medians per column, ratios, target and verdicts, per-run values."""
+                 streams: int = READERS, link: bool = False, tls: bool = False) -> list:
+    """One dict per row: medians per column, ratios, target and verdicts, per-run values.
+    With --tls also storefs-h2 against curl-N (HTTP/1.1, the ceiling) and against storefs."""
     cn = f"curl-{streams}"
     rows = []
-    for key, label, unit, higher in rows_for(link):
-        runs = {s: res.get(key, {}).get(s, []) for s in MOUNT_SYSTEMS}
+    for key, label, unit, higher in rows_for(link, tls):
+        runs = {s: res.get(key, {}).get(s, []) for s in (TLS_MOUNT_SYSTEMS if tls else MOUNT_SYSTEMS)}
         vals = {s: median_or_none(v) for s, v in runs.items()}
         vals["curl-1"] = vals[cn] = None
+        if tls:
+            vals[f"{cn}-h2"] = None
         _baseline_cells(key, base, streams, vals, runs)
         st = vals["storefs"]
         row = {"key": key, "label": label, "unit": unit,
@@ -197,6 +216,11 @@ def build_report(res: dict, base: dict, ml_mib: float, rclone_reason: str | None
         if not rvals and ("rclone-off" in systems or "rclone-full" in systems):
             vs["text"] = "no rclone" if rclone_reason else "-"
         row["vs_rclone"] = vs
+        if tls:
+            h2 = vals["storefs-h2"]
+            row["storefs_h2_over_curl8"] = (h2 / vals[cn]) if (higher and h2 and vals[cn]) else None
+            row["h2_vs_h1"] = versus(h2, {"storefs": st} if st is not None else {}, higher, unit,
+                                     short=lambda s: "h1.1")
         rows.append(row)
     return rows
 
@@ -227,34 +251,48 @@ def print_floor(rows: list, streams: int = READERS) -> None:
             print(line)
 
 
-def print_table(rows: list, streams: int = READERS) -> None:
-    """The loopback/--link table: values, ratios, storefs vs best rclone, target and verdicts."""
-    cols = columns(streams)
-    hdr = ["measurement", "unit"] + cols + [f"st/curl-{streams}", "st/floor", "storefs vs best rclone", "rc?",
-                                            "target (storefs)", "tgt?"]
+def _ratio(v) -> str:
+    return "-" if v is None else f"{v:.2f}×"
+
+
+def print_table(rows: list, streams: int = READERS, tls: bool = False) -> None:
+    """The loopback/--link table: values, ratios, storefs vs best rclone, target and verdicts.
+    With --tls: `h2/curl-N` (storefs-h2 over curl-N with HTTP/1.1) and `h2 vs h1.1` (storefs-h2
+    against storefs) after `st/curl-N`."""
+    cols = columns(streams, tls)
+    extra = [f"h2/curl-{streams}", "h2 vs h1.1"] if tls else []
+    hdr = (["measurement", "unit"] + cols + [f"st/curl-{streams}"] + extra
+           + ["st/floor", "storefs vs best rclone", "rc?", "target (storefs)", "tgt?"])
     table = [hdr]
     for r in rows:
         u = r["unit"]
         have = r["values"]["storefs"] is not None
+        more = [_ratio(r["storefs_h2_over_curl8"]), r["h2_vs_h1"]["text"]] if tls else []
         table.append([r["label"], u + (" ↑" if r["better"] == "higher" else " ↓")]
                      + [fmt(r["values"][c], u) for c in cols]
-                     + ["-" if r["storefs_over_curl8"] is None else f"{r['storefs_over_curl8']:.2f}×",
-                        "-" if r["storefs_over_floor"] is None else f"{r['storefs_over_floor']:.2f}×",
+                     + [_ratio(r["storefs_over_curl8"])] + more
+                     + [_ratio(r["storefs_over_floor"]),
                         r["vs_rclone"]["text"], verdict(r["vs_rclone"]["pass"], have),
                         r["target"] or "-", verdict(r["target_pass"], have)])
-    print_columns(table, set(range(2, 2 + len(cols) + 2)))
+    print_columns(table, set(range(2, 2 + len(cols) + 2 + (1 if tls else 0))))
 
 
 def print_header(size_mib: int, runs: int, duration: float, storefs_opts: str, ml: float, noise: dict,
-                 streams: int, link_desc: str | None) -> None:
+                 streams: int, link_desc: str | None, tls_desc: str | None = None) -> None:
     """What was measured, with which options, and how busy the machine was meanwhile."""
     where = f"through the modelled link {link_desc}" if link_desc else "on loopback"
+    if tls_desc:
+        where += f", over TLS ({tls_desc})"
     print()
     print(f"storefs benchmark: {size_mib} MiB object, {TREE_DIRS * TREE_FILES_PER_DIR} small files, "
           f"median of {runs} run(s), fake-gcs-server {where}, {os.cpu_count()} CPUs, {duration:.0f} s")
     print(f"storefs opts: {storefs_opts or '(none)'}; memory_limit for the RSS target: {ml:.0f} MiB")
     print(f"curl-1 = one curl GET; curl-{streams} = {streams} curl processes on 1/{streams} ranges each; "
           f"4K GET latency = curl CLI, {LAT_GETS} URLs in one invocation (one reused connection), -w %{{time_total}}")
+    if tls_desc:
+        print(f"--tls: curl --cacert CA --http1.1 (curl-{streams}-h2: --http2, still one connection per process); "
+              "storefs = -o ca_file=CA,http_version=1.1, storefs-h2 = http_version=2; floor = FLOORFS_CA_FILE, "
+              "HTTP/1.1; rclone --ca-cert")
     print(other_load_line(noise))
     print("↑ higher is better, ↓ lower is better; rc? = ahead of the best rclone mode; tgt? = design target")
     print()
@@ -270,6 +308,11 @@ def print_extras(base: dict, extra: dict, size_mib: int) -> None:
     if walk is not None:
         print(f"direct listing walk of tree/ (delimited, sequential, one keep-alive connection, the floor of find "
               f"and ls -lR): {walk:.3f} s")
+    if "get_p50_h2" in base:
+        g50, g99 = median_or_none(base["get_p50_h2"]), median_or_none(base["get_p99_h2"])
+        if g50 is not None:
+            print(f"4K GET over TLS with HTTP/2 (curl --http2, one reused connection): p50 {g50:.0f} µs, p99 {g99:.0f} µs "
+                  f"(HTTP/1.1: the curl-1 column)")
     hc50, hc99 = median_or_none(base["hc_p50"]), median_or_none(base["hc_p99"])
     if hc50 is not None:
         print(f"4K GET via python http.client keep-alive (for comparison): p50 {hc50:.0f} µs, p99 {hc99:.0f} µs")
@@ -318,7 +361,8 @@ def common_meta(ctx, runs: int, duration: float, noise: dict, systems: list) -> 
 
 
 def loopback_json(ctx, size_mib: int, runs: int, duration: float, noise: dict, ml: float, systems: list,
-                  base: dict, rows: list, extra: dict, errors: list, link_info: dict | None) -> dict:
+                  base: dict, rows: list, extra: dict, errors: list, link_info: dict | None,
+                  tls_info: dict | None = None) -> dict:
     """--json of the loopback/--link setting: meta, baselines, rows with per-run values, extras."""
     meta = common_meta(ctx, runs, duration, noise, systems)
     meta.update({
@@ -331,6 +375,8 @@ def loopback_json(ctx, size_mib: int, runs: int, duration: float, noise: dict, m
     })
     if link_info is not None:
         meta["link"] = link_info
+    if tls_info is not None:
+        meta["tls"] = tls_info
     return {
         "meta": meta,
         "baselines": {k: {"runs": v, "median": median_or_none(v)} for k, v in base.items()},
@@ -372,18 +418,27 @@ def print_link_usage(extra: dict, link_info: dict) -> None:
     over = link_info.get("overhead")
     if over is not None:
         print(overhead_line(over))
+    if link_info.get("tls_topology"):
+        print(f"--tls topology: {link_info['tls_topology']}")
     else:
         print(f"link proxy's own overhead: not measured ({link_info.get('overhead_error', 'unknown')})")
     phases = [k for k in extra if k.startswith("link_stats:")]
     if not phases:
         return
+    tls = any("http2" in snap for k in phases for snaps in extra[k].values() for snap in snaps)
     print("through the link, per phase (the proxy's stats(), median over runs): requests answered / "
-          "connections opened / connections used / MiB sent")
+          "connections opened / connections used / MiB sent"
+          + ("; --tls: connections are the clients' own (the front proxy's), requests and MiB the back proxy's, "
+             "used `-` (TLS hides which connection carried a request), and (h2 N, h1.1 M) the requests nginx "
+             "saw per HTTP version" if tls else ""))
     for key in phases:
         cells = []
         for system, snaps in extra[key].items():
-            med = {k: median_or_none([s.get(k) for s in snaps])
-                   for k in ("requests", "connections", "connections_used", "bytes")}
-            cells.append(f"{system} {fmt(med['requests'], '')} / {fmt(med['connections'], '')} / "
-                         f"{fmt(med['connections_used'], '')} / {(med['bytes'] or 0) / MIB:.1f}")
+            med = {k: median_or_none([s.get(k) for s in snaps if s.get(k) is not None])
+                   for k in ("requests", "connections", "connections_used", "bytes", "http2", "http1")}
+            cell = (f"{system} {fmt(med['requests'], '')} / {fmt(med['connections'], '')} / "
+                    f"{fmt(med['connections_used'], '')} / {(med['bytes'] or 0) / MIB:.1f}")
+            if med["http2"] is not None:
+                cell += f" (h2 {fmt(med['http2'], '')}, h1.1 {fmt(med['http1'], '')})"
+            cells.append(cell)
         print(f"  {key.split(':', 1)[1]}: " + "; ".join(cells))

@@ -44,16 +44,22 @@ class FakeGCS:
     pointing at a port chosen in advance). `external_url`: the origin written into every
     object's mediaLink, which rclone downloads from; by default the server itself, with
     --link the proxy, so downloads go through the link too.
+    `pki` (loopback --tls): serve https on the port with pki's certificate (Go's TLS server,
+    h2 offered by ALPN), and plain http on `http_port` (`-scheme both`), which only the
+    measurement of what TLS costs uses.
     """
 
     def __init__(self, data_root: str, workdir: str, size: int, port: int = 0,
-                 external_url: str | None = None):
+                 external_url: str | None = None, pki=None):
         self.data_root, self.workdir, self.size = data_root, workdir, size
         self.proc: subprocess.Popen | None = None
         self.fixed_port = port
         self.external_url = external_url
+        self.pki = pki
         self.port = 0
+        self.http_port = 0
         self.endpoint = ""
+        self.plain_endpoint = ""
 
     def start(self) -> "FakeGCS":
         """Start it and wait until it serves big.bin at the right size (3 tries, new port each
@@ -62,11 +68,18 @@ class FakeGCS:
         t0 = time.monotonic()
         for _attempt in range(3):
             self.port = self.fixed_port or free_port()
-            self.endpoint = f"http://127.0.0.1:{self.port}"
+            self.endpoint = f"{'https' if self.pki else 'http'}://127.0.0.1:{self.port}"
+            self.plain_endpoint = self.endpoint
+            scheme = ["-scheme", "http"]
+            if self.pki:
+                self.http_port = free_port()
+                self.plain_endpoint = f"http://127.0.0.1:{self.http_port}"
+                scheme = ["-scheme", "both", "-port-http", str(self.http_port),
+                          "-cert-location", self.pki.cert, "-private-key-location", self.pki.key]
             logf = open(os.path.join(self.workdir, "fake-gcs-server.log"), "wb")
             # -external-url: mediaLink (which rclone downloads from) must point back here.
             self.proc = subprocess.Popen(
-                [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+                [binary, *scheme, "-host", "127.0.0.1", "-port", str(self.port),
                  "-backend", "memory", "-data", self.data_root, "-log-level", "error",
                  "-external-url", self.external_url or self.endpoint],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
@@ -90,7 +103,8 @@ class FakeGCS:
                 return False
             try:
                 with urllib.request.urlopen(
-                        f"{self.endpoint}/storage/v1/b/{BUCKET}/o/{BIG}", timeout=5) as r:
+                        f"{self.endpoint}/storage/v1/b/{BUCKET}/o/{BIG}", timeout=5,
+                        context=self.pki.ssl_context() if self.pki else None) as r:
                     meta = json.load(r)
                 if int(meta["size"]) != self.size:
                     raise BenchError(f"server has {BIG} of {meta['size']} bytes, want {self.size}")

@@ -7,8 +7,12 @@ Systems (bench/README.md, "What happens" 3 and 4):
 - `storefs`: a private copy of `$STOREFS_BIN` (a rebuild during the run cannot change it),
   mounted with `endpoint=…,anonymous,cache_dir=<fresh dir>` plus `STOREFS_BENCH_OPTS`.
 - `storefs-v0` (--scale --api v0): the same with protocol=firebase (the Firebase v0 API).
+- `storefs-h2` (--tls): storefs with `http_version=2`, beside `storefs` with `http_version=1.1`.
 - `rclone-off`, `rclone-full`: `rclone mount --read-only --vfs-cache-mode off|full`;
   `rclone` (the --scale setting): rclone mount with its default cache mode (off).
+
+With --tls (ctx.pki set) every system trusts the run's CA through its own option: storefs
+`ca_file=`, floorfs `FLOORFS_CA_FILE` (with `FLOORFS_HTTP_VERSION=1.1`), rclone `--ca-cert`.
 
 Every mount is a `Mount`: started in the foreground as a child in its own session, waited for
 in /proc/self/mountinfo, and always unmounted by `stop()` (fusermount3 -u, then umount -l),
@@ -32,8 +36,10 @@ from .host import (BenchError, MountError, at_cleanup, forget_cleanup, log, moun
 
 # Systems measured through a mount in the loopback setting, in column order.
 MOUNT_SYSTEMS = ["floor", "storefs", "rclone-off", "rclone-full"]
+# With --tls: storefs twice, once per HTTP version (storefs = http_version=1.1).
+TLS_MOUNT_SYSTEMS = ["floor", "storefs", "storefs-h2", "rclone-off", "rclone-full"]
 # storefs and its variants: the -o options each adds to the common ones.
-STOREFS_VARIANTS = {"storefs": "", "storefs-v0": "protocol=firebase"}
+STOREFS_VARIANTS = {"storefs": "", "storefs-v0": "protocol=firebase", "storefs-h2": "http_version=2"}
 FLOOR_SRC = os.path.join(BENCH_DIR, "floor", "floorfs.c")
 
 
@@ -86,6 +92,10 @@ class RunContext:
         self.timeout_factor = 1.0
         self._cache_n = 0
         self.dead: dict = {}  # system -> why it could not mount
+        # --tls: the run's CA and certificate (tls.Pki), and the HTTP versions storefs is
+        # measured with (["1.1", "2"], or ["default"]: no http_version= at all).
+        self.pki = None
+        self.http_versions: list = ["1.1", "2"]
 
     def new_cache_dir(self, system: str) -> str:
         self._cache_n += 1
@@ -94,8 +104,13 @@ class RunContext:
         return d
 
     def storefs_options(self, cache_dir: str, variant: str = "") -> str:
-        """endpoint, anonymous, a fresh cache dir; then the variant's and STOREFS_BENCH_OPTS."""
+        """endpoint, anonymous, a fresh cache dir (with --tls: ca_file=, and http_version=1.1
+        unless the variant names another); then the variant's and STOREFS_BENCH_OPTS."""
         opts = f"endpoint={self.endpoint},anonymous,cache_dir={cache_dir}"
+        if self.pki is not None:
+            opts += f",ca_file={self.pki.ca}"
+            if "http_version=" not in variant and self.http_versions != ["default"]:
+                opts += ",http_version=1.1"
         for extra in (variant, self.storefs_opts):
             if extra:
                 opts += "," + extra
@@ -122,7 +137,7 @@ class Mount:
         if self.system.startswith("rclone"):
             mode = self.system.split("-", 1)[1] if "-" in self.system else None
             return ([c.rclone_bin, "--config", c.rclone_conf, "mount", f"gcs:{c.bucket}", self.mnt,
-                     "--read-only"] + (["--vfs-cache-mode", mode] if mode else [])
+                     "--read-only"] + rclone_tls_flags(c) + (["--vfs-cache-mode", mode] if mode else [])
                     + ["--cache-dir", self.cache_dir] + c.rclone_opts, "fuse.rclone")
         raise BenchError(f"unknown system {self.system!r}")
 
@@ -134,8 +149,11 @@ class Mount:
         logf = open(self.logpath, "ab")
         logf.write(f"\n=== {shlex.join(argv)}\n".encode())
         logf.flush()
+        env = None
+        if self.system == "floor" and self.ctx.pki is not None:
+            env = dict(os.environ, FLOORFS_CA_FILE=self.ctx.pki.ca, FLOORFS_HTTP_VERSION="1.1")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
         logf.close()
         at_cleanup(self.stop)
         deadline = time.monotonic() + 60
@@ -238,6 +256,11 @@ def build_floor(ctx: RunContext) -> str | None:
     return None
 
 
+def rclone_tls_flags(ctx: RunContext) -> list:
+    """--tls: rclone trusts the run's CA (its global --ca-cert flag)."""
+    return ["--ca-cert", ctx.pki.ca] if ctx.pki is not None else []
+
+
 def check_rclone(ctx: RunContext, expect: str | None) -> str | None:
     """None if rclone can list the bucket through ctx.endpoint and sees `expect` (or, if None,
     anything) at its top level, else the exact reason (printed; the rclone columns stay empty)."""
@@ -251,8 +274,8 @@ def check_rclone(ctx: RunContext, expect: str | None) -> str | None:
     try:
         v = subprocess.run([ctx.rclone_bin, "version"], capture_output=True, text=True, timeout=30, check=False)
         ctx.rclone_version = (v.stdout.splitlines() or [""])[0]
-        out = subprocess.run([ctx.rclone_bin, "--config", ctx.rclone_conf, "lsf", "--max-depth", "1",
-                              f"gcs:{ctx.bucket}"], capture_output=True, text=True, timeout=60, check=False)
+        out = subprocess.run([ctx.rclone_bin, "--config", ctx.rclone_conf, *rclone_tls_flags(ctx), "lsf",
+                              "--max-depth", "1", f"gcs:{ctx.bucket}"], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"rclone lsf failed: {exc}"
     seen = out.stdout.split()
@@ -268,7 +291,7 @@ def prepare_systems(ctx: RunContext, systems: list, errors: list, rclone_expect:
     Returns (systems that can run, why rclone cannot or None)."""
     systems = list(systems)
     rclone_reason = None
-    if "storefs" in systems:
+    if any(s in STOREFS_VARIANTS for s in systems):
         why = prepare_storefs(ctx)
         if why:
             log("ERROR " + why)
