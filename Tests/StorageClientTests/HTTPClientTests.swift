@@ -18,6 +18,12 @@ final class RawHTTPServer: @unchecked Sendable {
     init(keepAlive: Bool = false, answer: @escaping @Sendable (_ socket: Int32, _ request: String) -> Void) {
         self.keepAlive = keepAlive
         self.answer = answer
+        (listener, port) = Self.listenOnLoopback()
+        Thread { [self] in self.serve() }.start()
+    }
+
+    /// A listening socket on 127.0.0.1 at a free port.
+    static func listenOnLoopback() -> (socket: Int32, port: UInt16) {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         var one: Int32 = 1
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, socklen_t(MemoryLayout<Int32>.size))
@@ -29,9 +35,7 @@ final class RawHTTPServer: @unchecked Sendable {
         listen(fd, 16)
         var len = socklen_t(MemoryLayout<sockaddr_in>.size)
         _ = withUnsafeMutablePointer(to: &addr) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &len) } }
-        listener = fd
-        port = UInt16(bigEndian: addr.sin_port)
-        Thread { [self] in self.serve() }.start()
+        return (fd, UInt16(bigEndian: addr.sin_port))
     }
 
     var url: String { "http://127.0.0.1:\(port)/o" }

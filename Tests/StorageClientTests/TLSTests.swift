@@ -129,16 +129,9 @@ final class PlainAnswerServer: @unchecked Sendable {
     private var accepted = 0
 
     init(answer: String) {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        var addr = sockaddr_in()
-        addr.sin_family = sa_family_t(AF_INET)
-        addr.sin_addr.s_addr = inet_addr("127.0.0.1")
-        _ = withUnsafePointer(to: &addr) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) } }
-        listen(fd, 16)
-        var len = socklen_t(MemoryLayout<sockaddr_in>.size)
-        _ = withUnsafeMutablePointer(to: &addr) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &len) } }
+        let (fd, port) = RawHTTPServer.listenOnLoopback()
         listener = fd
-        port = UInt16(bigEndian: addr.sin_port)
+        self.port = port
         Thread { [self] in
             while true {
                 let c = accept(fd, nil, nil)

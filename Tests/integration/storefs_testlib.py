@@ -506,7 +506,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
     def _safe_handle(self) -> None:
         try:
             self._handle()
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             self.close_connection = True   # storefs went away mid-response (unmount, kill)
 
     do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _safe_handle

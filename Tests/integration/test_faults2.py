@@ -177,6 +177,20 @@ def _release(fault_proxy) -> None:
     fault_proxy.release()
 
 
+def _release_and_reap(fault_proxy, proc, threads) -> None:
+    """Lets the stalled requests go, then waits for the interrupted child (killed if it does not
+    end) and the threads that held the workers."""
+    _release(fault_proxy)
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
+    for t in threads:
+        t.join(60)
+
+
 def test_a_read_issued_after_the_server_is_back_succeeds_within_the_outage_hold(mount, fault_proxy, f2data):
     m = mount(F2, endpoint=fault_proxy.endpoint, options=OUTAGE)
     try:
@@ -257,15 +271,7 @@ def test_sigint_ends_an_o_direct_read_queued_behind_stalled_read_workers_with_ei
         except subprocess.TimeoutExpired:
             pass
     finally:
-        _release(fault_proxy)
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate(timeout=10)
-        for t in threads:
-            t.join(60)
+        _release_and_reap(fault_proxy, proc, threads)
     assert queued, "the interrupted read reached the server: it was not queued behind the workers"
     assert out is not None, "a queued O_DIRECT pread was still blocked 5 s after a handled SIGINT"
     result = json.loads(out.strip().splitlines()[-1])
@@ -366,15 +372,7 @@ def test_sigint_ends_a_stat_queued_behind_64_stalled_lookups_with_eintr(mount, f
         except subprocess.TimeoutExpired:
             pass
     finally:
-        _release(fault_proxy)
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate(timeout=10)
-        for t in threads:
-            t.join(60)
+        _release_and_reap(fault_proxy, proc, threads)
     assert out is not None, "a stat queued behind stalled lookups was still blocked 5 s after a handled SIGINT"
     result = json.loads(out.strip().splitlines()[-1])
     assert result["rc"] == -1 and result["errno"] == errno.EINTR, f"stat after SIGINT: {result}; stderr {err}"

@@ -576,7 +576,7 @@ final class CachedObject: Sendable {
     /// remount, as after a crash.
     private func commitLeftSets() {
         guard state.withLock({ $0.setsWritten < $0.setsMade && $0.users > 0 && !$0.directRefused }) else { return }
-        let failure = withFile { _, direct -> Int32 in
+        let failure = withFile(writing: true) { _, direct -> Int32 in
             direct >= 0 ? commitIndex(direct: direct, own: nil) : 0
         } ?? 0
         // EINVAL: the device refused the alignment; the entries stay marked for the next store.
@@ -655,10 +655,6 @@ final class CachedObject: Sendable {
             }
             s.fd = cache.files.openFile(hex) ?? -1
             guard s.fd >= 0 else { return false }
-            if cache.directWrites {
-                s.directFD = DirectWrites.reopen(s.fd) ?? -1
-                if s.directFD < 0 { cache.noteNoDirectWrites() }
-            }
             trimAllocation(&s)
             return true
         }
@@ -720,7 +716,9 @@ final class CachedObject: Sendable {
     /// Runs `body` with the file's descriptors (buffered, and direct or -1), open for as long as
     /// it runs; nil, without running it, when nobody holds the object (`open`) or the file
     /// cannot be opened (no descriptor to spare, the file gone).
-    func withFile<T>(_ body: (_ fd: Int32, _ direct: Int32) -> T) -> T? {
+    ///
+    /// The direct descriptor is opened only for `writing` (a file only read never holds one).
+    func withFile<T>(writing: Bool = false, _ body: (_ fd: Int32, _ direct: Int32) -> T) -> T? {
         lastUsed.store(cache.tick(), ordering: .relaxed)
         let needsOpening = state.withLock { s -> Bool? in
             guard s.users > 0 else { return nil }
@@ -742,16 +740,9 @@ final class CachedObject: Sendable {
             // Opened outside the lock (a system call that may wait for the disk), kept if no
             // other use opened it meanwhile.
             let fd = cache.files.openFile(hex) ?? -1
-            var direct: Int32 = -1
-            if fd >= 0, cache.directWrites {
-                direct = DirectWrites.reopen(fd) ?? -1
-                if direct < 0 { cache.noteNoDirectWrites() }
-            }
             let installed = state.withLock { s -> Bool in
                 guard s.fd < 0, fd >= 0 else { return false }
                 s.fd = fd
-                s.directFD = s.directRefused ? -1 : direct
-                if s.directRefused, direct >= 0 { Glibc.close(direct) }
                 if !s.allocationChecked {
                     s.allocationChecked = true
                     trimAllocation(&s)
@@ -762,12 +753,31 @@ final class CachedObject: Sendable {
                 cache.noteOpened(self)
             } else if fd >= 0 {
                 Glibc.close(fd)
-                if direct >= 0 { Glibc.close(direct) }
             }
         }
+        if writing, cache.directWrites { openDirect() }
         let (fd, direct) = state.withLock { ($0.fd, $0.directRefused ? -1 : $0.directFD) }
         guard fd >= 0 else { return nil }
         return body(fd, direct)
+    }
+
+    /// Opens the direct descriptor beside the open buffered one, once (a use holds the file).
+    /// One the filesystem refuses is not asked for again until the file is closed.
+    private func openDirect() {
+        let fd = state.withLock { s -> Int32 in s.directFD < 0 && !s.directRefused ? s.fd : -1 }
+        guard fd >= 0 else { return }
+        let direct = DirectWrites.reopen(fd) ?? -1
+        if direct < 0 { cache.noteNoDirectWrites() }
+        let kept = state.withLock { s -> Bool in
+            guard direct >= 0 else {
+                s.directRefused = true
+                return true
+            }
+            guard s.directFD < 0, !s.directRefused else { return false }
+            s.directFD = direct
+            return true
+        }
+        if !kept { Glibc.close(direct) }
     }
 
     func isCached(_ block: Int) -> Bool { state.withLock { $0.index.isPresent(block) } }
@@ -852,7 +862,7 @@ final class CachedObject: Sendable {
     /// each run of absent blocks with one data write and one index write (docs/architecture.md,
     /// "Cache writes").
     func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false) {
-        _ = withFile { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: direct) }
+        _ = withFile(writing: true) { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: direct) }
     }
 
     /// `store` with the file open: `direct` -1 where data goes through the page cache.
