@@ -177,6 +177,15 @@ def _release(fault_proxy) -> None:
     fault_proxy.release()
 
 
+def _interrupt(proc):
+    """SIGINT to the child; its (stdout, stderr) if it ended within 5 s, else (None, None)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None, None
+
+
 def _release_and_reap(fault_proxy, proc, threads) -> None:
     """Lets the stalled requests go, then waits for the interrupted child (killed if it does not
     end) and the threads that held the workers."""
@@ -265,11 +274,7 @@ def test_sigint_ends_an_o_direct_read_queued_behind_stalled_read_workers_with_ei
         time.sleep(1.0)
         assert proc.poll() is None, f"the reader ended before the signal: {proc.communicate()}"
         queued = not fault_proxy.requests("media", name_prefix=QUEUED)
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        out, err = _interrupt(proc)
     finally:
         _release_and_reap(fault_proxy, proc, threads)
     assert queued, "the interrupted read reached the server: it was not queued behind the workers"
@@ -366,11 +371,7 @@ def test_sigint_ends_a_stat_queued_behind_64_stalled_lookups_with_eintr(mount, f
                                 preexec_fn=default_signals)
         time.sleep(1.0)
         assert proc.poll() is None, f"the stat ended before the signal: {proc.communicate()}"
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        out, err = _interrupt(proc)
     finally:
         _release_and_reap(fault_proxy, proc, threads)
     assert out is not None, "a stat queued behind stalled lookups was still blocked 5 s after a handled SIGINT"

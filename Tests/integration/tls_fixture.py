@@ -325,6 +325,16 @@ class _Acceptor:
             raise
         return tls
 
+    def handshake_or_note(self, conn: socket.socket, context_of) -> ssl.SSLSocket | None:
+        """`handshake` within HANDSHAKE_TIMEOUT_S; a failure goes in `handshake_errors` (None)."""
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            return self.handshake(conn, context_of)
+        except (ssl.SSLError, OSError) as exc:
+            with self._lock:
+                self.handshake_errors.append(f"{type(exc).__name__}: {exc}")
+            return None
+
     def stop(self) -> None:
         if self._listener is not None:
             try:
@@ -356,12 +366,8 @@ class TLSFront(_Acceptor):
         self.handshake_errors: list[str] = []
 
     def serve(self, conn: socket.socket) -> None:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        try:
-            tls = self.handshake(conn, lambda: self.context)
-        except (ssl.SSLError, OSError) as exc:
-            with self._lock:
-                self.handshake_errors.append(f"{type(exc).__name__}: {exc}")
+        tls = self.handshake_or_note(conn, lambda: self.context)
+        if tls is None:
             return
         try:
             tls.settimeout(None)
@@ -510,12 +516,8 @@ class RecordingTLSServer(_Acceptor):
         self.body = b'{"kind":"storage#objects","items":[],"prefixes":[]}'
 
     def serve(self, conn: socket.socket) -> None:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        try:
-            tls = self.handshake(conn, lambda: self.context)
-        except (ssl.SSLError, OSError) as exc:
-            with self._lock:
-                self.handshake_errors.append(f"{type(exc).__name__}: {exc}")
+        tls = self.handshake_or_note(conn, lambda: self.context)
+        if tls is None:
             return
         with self._lock:
             self.handshakes += 1
