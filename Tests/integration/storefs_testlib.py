@@ -72,6 +72,16 @@ def require_fuse() -> None:
             pytest.fail(f"{tool} not found on PATH; these tests need it", pytrace=False)
 
 
+def wait_for(cond, timeout: float, step: float = 0.05) -> bool:
+    """Whether `cond()` became true within `timeout` seconds (asked every `step`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return bool(cond())
+
+
 def rfc3339_to_epoch(text: str) -> float:
     """'2026-11-29T19:10:51.952598Z' (0-9 fraction digits) -> seconds since the epoch."""
     m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", text)

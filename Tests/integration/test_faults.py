@@ -36,7 +36,7 @@ import pytest
 
 from fault_proxy import FaultProxy
 from gcs_emulator import quote_name
-from storefs_testlib import default_signals, is_mounted, pid_alive, wait_pid_gone
+from storefs_testlib import default_signals, is_mounted, pid_alive, wait_for, wait_pid_gone
 from storefs_testlib import read_whole as read_all
 
 FB = "faults-bucket"
@@ -252,15 +252,6 @@ def vm_rss_mb(pid: int) -> float:
     except FileNotFoundError:
         pass
     return 0.0
-
-
-def wait_for(cond, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
 
 
 def names_match(names):

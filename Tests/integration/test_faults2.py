@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from storefs_testlib import default_signals, read_whole
+from storefs_testlib import default_signals, read_whole, wait_for
 
 F2 = "faults2-bucket"
 KiB, MiB = 1 << 10, 1 << 20
@@ -79,15 +79,6 @@ def f2data(emulator) -> dict[str, bytes]:
     for name, body in data.items():
         assert int(emulator.upload(F2, name, body)["size"]) == len(body), name
     return data
-
-
-def wait_for(cond, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
 
 
 @pytest.mark.parametrize("fault", [{"fault": "blackhole"},

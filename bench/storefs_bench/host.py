@@ -96,6 +96,24 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait(timeout=timeout)
 
 
+class ServerProcess:
+    """A server the bench started (`self.proc`): its pid, and `stop` by pid, once, also run
+    at exit when the run is cut short (`at_cleanup(self.stop)` when it starts)."""
+
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+        forget_cleanup(self.stop)
+
+
 def mounted_fstype(mnt: str) -> str | None:
     """fstype of the mount at exactly `mnt` in /proc/self/mountinfo, or None."""
     with open("/proc/self/mountinfo") as f:

@@ -21,7 +21,7 @@ import urllib.request
 
 from . import BENCH_DIR, REPO
 from .data import BIG, BUCKET
-from .host import BenchError, at_cleanup, forget_cleanup, free_port, log, stop_process
+from .host import BenchError, ServerProcess, at_cleanup, free_port, log
 
 
 # --------------------------------------------------------------------------- fake-gcs-server
@@ -37,7 +37,7 @@ def fake_gcs_binary() -> str:
     return str(_get_binary_path())
 
 
-class FakeGCS:
+class FakeGCS(ServerProcess):
     """fake-gcs-server serving DATA/bench-bkt from memory.
 
     `port`: listen there instead of a free port of its own (--link starts the proxy first,
@@ -112,17 +112,6 @@ class FakeGCS:
             except (OSError, ValueError):
                 time.sleep(0.2)
         return False
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
-        forget_cleanup(self.stop)
 
     def media_path(self, name: str = BIG) -> str:
         return f"/download/storage/v1/b/{BUCKET}/o/{name}?alt=media"

@@ -32,7 +32,7 @@ import subprocess
 import time
 import types
 
-from .host import BenchError, at_cleanup, forget_cleanup, free_port, log, stop_process
+from .host import BenchError, ServerProcess, at_cleanup, free_port, log
 
 HTTP_VERSIONS = ("1.1", "2")
 
@@ -162,7 +162,7 @@ NGINX_SERVER = """\
 """
 
 
-class Nginx:
+class Nginx(ServerProcess):
     """One nginx (master + workers) in the foreground, stopped by pid. `servers`: (port, tls?,
     upstream port, origin the clients use: sent upstream as Host); each server logs one line per request (port, protocol, status, bytes) so
     what a client actually spoke can be counted."""
@@ -223,17 +223,6 @@ class Nginx:
             except OSError:
                 pass
         return ""
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
-        forget_cleanup(self.stop)
 
     def _log(self, port: int) -> str:
         return os.path.join(self.dir, f"access-{port}.log")
