@@ -114,7 +114,14 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// Open files do not decide how many descriptors the cache holds: past `maxOpenFiles`,
     /// idle files let theirs go and open again at their next use (issue 43, item 3).
     @Test func openFilesBeyondTheBoundLetTheirDescriptorsGoAndStillServeTheirBlocks() throws {
-        func openDescriptors() -> Int { (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd").count) ?? 0 }
+        // Descriptors of this test's cache files only: other suites run in this process at once.
+        func openDescriptors() -> Int {
+            let fds = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []
+            return fds.filter { fd in
+                guard let target = try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(fd)") else { return false }
+                return target.hasPrefix(dir + "/") && target.hasSuffix(".blk")
+            }.count
+        }
         let cache = try BlockCache(directory: dir, capacity: 16 << 20, blockSize: 4096, maxOpenFiles: 4)
         let before = openDescriptors()
         var objects: [CachedObject] = []

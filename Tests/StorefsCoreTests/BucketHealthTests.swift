@@ -111,6 +111,10 @@ import Testing
         let first = try fs.open(c.inode, flags: O_RDONLY).handle
         #expect(try read(fs, first, count: bytes.count) == bytes)
         fs.release(first)
+        // The read's cache copy is written after its reply: the outage begins once it is cached.
+        let deadline = monotonicNow() + 10
+        while try fs.extendedAttribute(c.inode, name: "user.storefs.cached") != Array(String(bytes.count).utf8),
+              monotonicNow() < deadline { usleep(2000) }
         store.failAll(with: Self.down)
         health.note(Self.down)
         let probe = try health.admit()  // another operation asks the bucket meanwhile
