@@ -22,8 +22,10 @@ let package = Package(
         .target(name: "FuseAdapter", dependencies: ["StorefsCore", "CFuse3"], swiftSettings: strict),
         .executableTarget(name: "storefs", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"],
                           swiftSettings: strict),
+        // What the test targets share: an in-memory bucket (MemoryStore).
+        .target(name: "StorefsTestSupport", dependencies: ["StorefsCore", "StorageClient"], path: "Tests/StorefsTestSupport"),
         .testTarget(name: "StorageClientTests", dependencies: ["StorageClient"]),
-        .testTarget(name: "StorefsCoreTests", dependencies: ["StorefsCore", "StorageClient"]),
-        .testTarget(name: "FuseAdapterTests", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"]),
+        .testTarget(name: "StorefsCoreTests", dependencies: ["StorefsCore", "StorageClient", "StorefsTestSupport"]),
+        .testTarget(name: "FuseAdapterTests", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient", "StorefsTestSupport"]),
     ]
 )

@@ -18,18 +18,16 @@ public enum FuseSession {
         public var fuseOptions: [String]
         /// Kernel mount flags: `exec`/`noexec`, `suid`/`nosuid`, `dev`/`nodev`.
         public var mountFlags: [String]
-        public var readWorkers: Int
         public var maxThreads: Int
 
         public init(mountpoint: String, fsname: String, foreground: Bool, debug: Bool, fuseOptions: [String],
-                    mountFlags: [String] = ["exec", "nosuid", "nodev"], readWorkers: Int = 16, maxThreads: Int = 32) {
+                    mountFlags: [String] = ["exec", "nosuid", "nodev"], maxThreads: Int = 32) {
             self.mountFlags = mountFlags
             self.mountpoint = mountpoint
             self.fsname = fsname
             self.foreground = foreground
             self.debug = debug
             self.fuseOptions = fuseOptions
-            self.readWorkers = readWorkers
             self.maxThreads = maxThreads
         }
     }
@@ -41,8 +39,10 @@ public enum FuseSession {
 
     /// Runs until unmounted or signalled (SIGTERM, SIGINT); returns the exit status.
     /// `ready` runs once the mount exists and this is the process that serves it (after fork).
-    public static func run(_ fs: Filesystem, _ settings: Settings, ready: () -> Void) throws(MountError) -> Int32 {
-        let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers, fuseThreads: settings.maxThreads)
+    /// `pools`: the daemon's threads (the read and metadata workers, the kernel notifier's).
+    public static func run(_ fs: Filesystem, _ settings: Settings, pools: WorkerPools,
+                           ready: () -> Void) throws(MountError) -> Int32 {
+        let ctx = FuseContext(fs: fs, pools: pools, fuseThreads: settings.maxThreads)
         var options = ["ro", "subtype=storefs", "default_permissions"]
         if !settings.fuseOptions.contains(where: { $0.hasPrefix("fsname=") }) {
             options.append("fsname=" + settings.fsname)
@@ -97,9 +97,7 @@ public enum FuseSession {
             Log.daemonized()
         }
         SignalThread.start(summary: { fs.summaryFields() })
-        ctx.startWorkers()
-        // After daemonizing (fork keeps only the calling thread), like every worker.
-        let notifier = KernelNotifier(se)
+        let notifier = KernelNotifier(se, queue: pools.notify)
         defer { notifier.stop() }
         fs.onNameChanged { parent, name in notifier.invalidateEntry(parent: parent, name: name) }
         ready()
@@ -115,9 +113,7 @@ public enum FuseSession {
         // (as if interrupted) and its reply must land before the session goes away; then the
         // mount goes; only then are cache writes finished, off the user's path.
         ctx.stopping.store(true, ordering: .relaxed)
-        let deadline = Date().addingTimeInterval(Self.replyDrainSeconds)
-        while ctx.inFlight.load(ordering: .acquiring) > 0 && Date() < deadline { usleep(2000) }
-        let owed = ctx.inFlight.load(ordering: .acquiring)
+        let owed = ctx.inFlight.wait(timeout: Self.replyDrainSeconds) ? 0 : ctx.inFlight.current
         notifier.stop()
         fuse_session_unmount(se)
         unmounted = true

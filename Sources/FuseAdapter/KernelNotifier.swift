@@ -11,9 +11,13 @@ final class KernelNotifier: Sendable {
     private struct Session: @unchecked Sendable { let raw: OpaquePointer }
     /// nil once the session is going away: queued notices are then dropped.
     private let session: Mutex<Session?>
-    private let queue = WorkerPool(threads: 1, name: "storefs-notify")
+    /// Its one thread (`WorkerPools.notify`).
+    private let queue: WorkerPool
 
-    init(_ se: OpaquePointer) { session = Mutex(Session(raw: se)) }
+    init(_ se: OpaquePointer, queue: WorkerPool) {
+        session = Mutex(Session(raw: se))
+        self.queue = queue
+    }
 
     func invalidateEntry(parent: UInt64, name: String) {
         queue.submit { [self] in

@@ -180,12 +180,15 @@ enum StorefsMain {
             }
             offlineBecause = error
         }
+        // Every thread the daemon runs comes from these pools, made here once; none starts
+        // before its first job, after daemonizing.
+        let pools = WorkerPools()
         let cache: BlockCache
         let namespace: NamespaceStore
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
                                    blockSize: o.blockSize, directWrites: o.cacheIO == .direct)
-            namespace = try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey)
+            namespace = try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey, writer: pools.namespace)
         } catch {
             return fail(error.message)
         }
@@ -203,7 +206,8 @@ enum StorefsMain {
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead ?? o.memoryLimit,
                                                parallel: o.parallel ?? MountOptions.maxParallel,
                                                memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites,
-                                               adaptive: o.parallel == nil))
+                                               adaptive: o.parallel == nil),
+                                 pools: pools)
         let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace)
         if let offlineBecause {
             fs.startOffline(offlineBecause)
@@ -219,7 +223,7 @@ enum StorefsMain {
                                             mountFlags: [o.exec ? "exec" : "noexec", o.suid ? "suid" : "nosuid",
                                                          o.dev ? "dev" : "nodev"])
         do {
-            return try FuseSession.run(fs, settings, ready: {
+            return try FuseSession.run(fs, settings, pools: pools, ready: {
                 MemoryReturn.startTrimming()
                 Log.startBackground()
                 // After the fork: keeping a listing writes the stored namespace, whose writer

@@ -66,7 +66,8 @@ final class MemoryStoreForAdapter: ObjectStore, @unchecked Sendable {
         ObjectMetadata(name: name, bucket: bucket, size: 1, generation: 1, updated: Timestamp(seconds: 0))
     }
 
-    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
+    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?,
+              connection: ConnectionClaim?) throws(StorageError) -> ListPage {
         let direct = names.filter { $0.hasPrefix(prefix) && !$0.dropFirst(prefix.count).contains("/") }
         let dirs = Set(names.filter { $0.hasPrefix(prefix) && $0.dropFirst(prefix.count).contains("/") }
             .map { prefix + $0.dropFirst(prefix.count).split(separator: "/")[0] + "/" })
@@ -83,7 +84,9 @@ final class MemoryStoreForAdapter: ObjectStore, @unchecked Sendable {
     }
 
     func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
-              isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {}
+              isCancelled: (@Sendable () -> Bool)?, connection: ConnectionClaim?) throws(StorageError) -> ReadTiming {
+        ReadTiming(firstByte: 0)
+    }
 
     func checkAccess(prefix: String) throws(StorageError) -> ListPage? { nil }
 }

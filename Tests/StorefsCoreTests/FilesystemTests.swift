@@ -4,6 +4,7 @@ import Glibc
 import Testing
 import StorageClient
 @testable import StorefsCore
+import StorefsTestSupport
 
 @Suite struct FilesystemTests {
     let store = MemoryStore(pageSize: 3)
@@ -15,7 +16,7 @@ import StorageClient
 
     func read(_ fs: Filesystem, _ handle: UInt64, at offset: Int64, count: Int) throws -> [UInt8] {
         var out = [UInt8](repeating: 0, count: count)
-        let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: offset, into: $0) }
+        let n = try out.withUnsafeMutableBytes { try fs.readWaiting(handle, at: offset, into: $0) }
         return Array(out.prefix(n))
     }
 
@@ -67,12 +68,12 @@ import StorageClient
         let fs = Filesystem(store: store, reference: StorageReference(bucket: "b", prefix: ""), config: .init(), reader: reader)
         let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
         let handle = try fs.open(f.inode, flags: O_RDONLY).handle
-        let afterReply = AfterReply()
+        let held = HeldReply()
         var out = [UInt8](repeating: 0, count: 100_000)
-        let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: 0, into: $0, isCancelled: { false }, afterReply: afterReply) }
+        let n = try out.withUnsafeMutableBytes { try fs.readWaiting(handle, at: 0, into: $0, isCancelled: { false }, held: held) }
         #expect(n == 100_000)
         fs.release(handle)  // `cat` closes the file before `getfattr` asks
-        let copy = Thread { usleep(300_000); afterReply.run() }
+        let copy = Thread { usleep(300_000); held.finish() }
         copy.start()
         let t0 = monotonicNow()
         let early = try fs.extendedAttribute(f.inode, name: "user.storefs.cached")

@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 @testable import StorefsCore
+import StorefsTestSupport
 import Synchronization
 import Testing
 
@@ -67,13 +68,13 @@ import Testing
         reader.fetchFirstBytes(of: "f") { $0() }
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 4096)
-        try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: { false }) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: { false }) }
         #expect(out == Array(bytes[0..<4096]))
         #expect(store.readStarts == 1 && store.requests.read == 0, "the first read asked again")
         // All of the first bytes were kept: a read further in, within them, asks nothing.
-        try out.withUnsafeMutableBytes { try reader.read(stream, at: 100_000, into: $0, observed: false, isCancelled: { false }) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 100_000, into: $0, isCancelled: { false }) }
         #expect(out == Array(bytes[100_000..<104_096]) && store.requests.read == 0)
-        try out.withUnsafeMutableBytes { try reader.read(stream, at: 500_000, into: $0, observed: false, isCancelled: { false }) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 500_000, into: $0, isCancelled: { false }) }
         #expect(out == Array(bytes[500_000..<504_096]) && store.requests.read == 1)
         reader.finishPendingWork(timeout: 10)
         reader.closeStream(stream)
@@ -90,7 +91,7 @@ import Testing
         store.put("f", replaced, generation: 2)
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 4096)
-        try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: { false }) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: { false }) }
         #expect(out == Array(replaced[0..<4096]))
         #expect(store.requests.read == 1)
         reader.closeStream(stream)

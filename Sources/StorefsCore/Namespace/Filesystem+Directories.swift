@@ -273,12 +273,8 @@ extension Filesystem {
         }
     }
 
-    var listingPool: WorkerPool {
-        listingPoolSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 4, name: "storefs-list") }
-            return p!
-        }
-    }
+    /// Listings ahead (`WorkerPools.listing`).
+    var listingPool: WorkerPool { reader.pools.listing }
 
     /// All pages of a directory. `isCancelled` is the caller's: an interrupted `ls` ends the
     /// listing (others waiting on it then get the interruption too and ask again).
@@ -370,7 +366,7 @@ extension Filesystem {
         // Beside a lookup, the page takes the warm connection now, before the lookup's probes
         // (sent next) can: they open connections of their own, and on a new mount the page,
         // which alone answers for every name it reaches, does not wait for a set-up.
-        let claim = race == nil ? nil : store.claimIdleConnection()
+        let claim = race == nil ? nil : (store as? any ConnectionTuning)?.claimIdleConnection()
         probePool.submit { [self] in
             let started = now()
             var kept: FirstPageCache.Page? = nil
@@ -379,9 +375,8 @@ extension Filesystem {
                 race?.pageLanded()
             }
             // No caller waits for it: a failure only means the next lookup asks for itself.
-            guard let page = try? ConnectionClaim.run(claim, { () throws(StorageError) in
-                try store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil)
-            }) else { return }
+            guard let page = try? store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil,
+                                             connection: claim) else { return }
             kept = firstPage(dirPath, page, fetched: started)
         }
         return true

@@ -81,9 +81,6 @@ public final class Filesystem: Sendable {
     let reader: BlockReader
     /// Shared with the read path: an outage found by either is known to both.
     var health: BucketHealth { reader.health }
-    /// The server answers within a few milliseconds (`TransferPlan.isNear`): a read that misses
-    /// the cache waits about that long, so the adapter serves it on the thread that received it.
-    public var serverIsNear: Bool { reader.transfers.isNear }
     let mountTime: Timestamp
 
     let table = Mutex(InodeTable())
@@ -97,8 +94,6 @@ public final class Filesystem: Sendable {
     /// Entries held by listings being fetched (`Config.listingEntriesInFlightLimit`).
     let listingEntriesInFlight = Atomic<Int>(0)
     let firstPages = Mutex(FirstPageCache())
-    let listingPoolSlot = Mutex<WorkerPool?>(nil)
-    let probePoolSlot = Mutex<WorkerPool?>(nil)
     let nameChanged = Mutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(nil)
 
     /// The namespace on disk (nil: none, as in tests without a cache).
@@ -475,12 +470,8 @@ public final class Filesystem: Sendable {
         case answered(Result<(Node.Kind, Double), FilesystemError>)
     }
 
-    var probePool: WorkerPool {
-        probePoolSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 16, name: "storefs-probe") }
-            return p!
-        }
-    }
+    /// A lookup's probes and first page (`WorkerPools.probe`, shared with the read path).
+    var probePool: WorkerPool { reader.pools.probe }
 
     /// Names remembered beyond the kernel's references (tests).
     var rememberedPathCount: Int { known.withLock { $0.count } }

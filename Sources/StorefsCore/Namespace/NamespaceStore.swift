@@ -32,14 +32,9 @@ public final class NamespaceStore: Sendable {
     private let directory: CacheDirectory
     private let fileName: String
     private let log: Mutex<Int32>
-    /// Made on first use: the store is opened before daemonizing, and fork keeps no threads.
-    private let writerSlot = Mutex<WorkerPool?>(nil)
-    private var writer: WorkerPool {
-        writerSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 1, name: "storefs-ns") }
-            return p!
-        }
-    }
+    /// Its one thread (`WorkerPools.namespace`; threads start at the first record, after the
+    /// daemon has forked).
+    private let writer: WorkerPool
     private let written = Mutex(Written())
     private struct Written {
         var files: [ByteName: Int64] = [:]
@@ -48,8 +43,10 @@ public final class NamespaceStore: Sendable {
     }
 
     /// Opens (creating) the log of `source` under `cacheDirectory` (which the block cache has
-    /// already verified and locked).
-    public init(cacheDirectory: String, source: String) throws(FilesystemError) {
+    /// already verified and locked). `writer`: the thread that appends records.
+    public init(cacheDirectory: String, source: String,
+                writer: WorkerPool = WorkerPool(threads: 1, name: "storefs-ns")) throws(FilesystemError) {
+        self.writer = writer
         do throws(CacheDirectory.Refused) {
             directory = try CacheDirectory(directory: cacheDirectory, versionName: Self.versionName)
         } catch {
@@ -195,8 +192,7 @@ public final class NamespaceStore: Sendable {
 
     /// Waits until every record asked for is written (unmount).
     public func flush(timeout: Double) {
-        guard let pool = writerSlot.withLock({ $0 }) else { return }
-        _ = pool.drain(timeout: timeout)
+        _ = writer.drain(timeout: timeout)
     }
 
     // MARK: Encoding (docs/architecture.md, "Offline namespace")

@@ -92,3 +92,25 @@ final class FirstBytesTable: Sendable {
         !isEmpty && entries.withLock { $0[ByteName(name)] != nil }
     }
 }
+
+extension BlockReader {
+    /// Whether the cache holds any bytes of that generation of `name`.
+    func hasCachedBytes(of name: String, generation: Int64, size: Int64) -> Bool {
+        (cache?.cachedBytes(endpoint: endpoint, bucket: store.bucket, name: name, generation: generation, size: size) ?? 0) > 0
+    }
+
+    /// Asks for the first bytes of `name` (whatever its generation) on a thread `submit` gives,
+    /// for a lookup that needs a round trip anyway (docs/architecture.md, "Lookups in one round
+    /// trip"): the file's first read then waits for this answer instead of asking again.
+    public func fetchFirstBytes(of name: String, submit: (@escaping @Sendable () -> Void) -> Void) {
+        guard let entry = firstBytes.begin(name) else { return }
+        submit { [store] in
+            var bytes = [UInt8](repeating: 0, count: FirstBytesTable.length)
+            let start = try? bytes.withUnsafeMutableBytes { (b) throws(StorageError) -> ObjectStart? in
+                try store.readStart(name, into: b, isCancelled: nil)
+            }
+            entry.finish(start.flatMap { $0 }.map { FirstBytesTable.Landed(generation: $0.generation, size: $0.size,
+                                                                            bytes: Array(bytes.prefix($0.count))) })
+        }
+    }
+}
