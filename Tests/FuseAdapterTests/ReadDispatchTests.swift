@@ -62,7 +62,9 @@ final class RecordedRead: ReadRequest, @unchecked Sendable {
 /// bound on a read worker, one reply per request, the cache copy after the reply.
 @Suite struct ReadDispatchTests {
     let store = MemoryStore()
-    let bytes = pattern(300_000, seed: 5)
+    // Larger than `BlockReader.defaultWholeObjectLimit`: misses are fetched in ranges, so each read
+    // below that is not the first is a miss of its own.
+    let bytes = pattern(3 << 20, seed: 5)
 
     /// A filesystem over `store` with a block cache, and an open handle of `f`.
     func mount(cache: Bool = true) throws -> (Filesystem, UInt64, BlockCache?) {

@@ -64,7 +64,7 @@ import Testing
         store.put("f", bytes)
         store.answerReadStart()
         let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
-        let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 16 << 10, readAhead: 0))
+        let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 16 << 10, readAhead: 0, wholeObjectLimit: 0))
         reader.fetchFirstBytes(of: "f") { $0() }
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 4096)
@@ -84,7 +84,7 @@ import Testing
         let store = MemoryStore()
         store.put("f", pattern(300_000, seed: 1))
         store.answerReadStart()
-        let reader = BlockReader(store: store, cache: nil, endpoint: "e", config: .init(blockSize: 16 << 10, readAhead: 0))
+        let reader = BlockReader(store: store, cache: nil, endpoint: "e", config: .init(blockSize: 16 << 10, readAhead: 0, wholeObjectLimit: 0))
         reader.fetchFirstBytes(of: "f") { $0() }
         // Replaced between the lookup's two answers: the reader opened generation 2.
         let replaced = pattern(300_000, seed: 2)

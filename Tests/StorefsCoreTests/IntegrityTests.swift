@@ -35,7 +35,10 @@ import StorefsTestSupport
         store.put("f", bytes, crc32c: true)
         let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
         let reader = BlockReader(store: store, cache: cache, endpoint: "e",
-                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20))
+                                 // Small objects read in ranges, as large ones are: the check of an object
+                                 // completed piece by piece is what these tests are about.
+                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20,
+                                               wholeObjectLimit: 0))
         return (store, bytes, cache, reader, try store.metadata(of: "f"))
     }
 

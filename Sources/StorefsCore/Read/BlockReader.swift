@@ -40,10 +40,16 @@ public final class BlockReader: Sendable {
         /// The most one read asks for: the kernel's largest FUSE request (the adapter's
         /// `FuseSession.maxRequestSize`), which sizes readers' own download buffers.
         public var maxRequest = 1 << 20
+        /// A file at most this large is fetched whole by its first read that misses, with one
+        /// request, and has no read-ahead: a small file costs one round trip however the
+        /// kernel splits its reads (docs/architecture.md, "Small files"). 0: never.
+        public var wholeObjectLimit: Int64
 
         public init(blockSize: Int = 16 << 10, readAhead: Int64 = 64 << 20, parallel: Int = 4,
                     partSize: Int64 = 8 << 20, memoryLimit: Int64 = 256 << 20, writeBacklog: Int64? = nil,
-                    cacheWrites: CacheWrites = .all, adaptive: Bool = false) {
+                    cacheWrites: CacheWrites = .all, adaptive: Bool = false,
+                    wholeObjectLimit: Int64 = BlockReader.defaultWholeObjectLimit) {
+            self.wholeObjectLimit = wholeObjectLimit
             self.adaptive = adaptive
             self.blockSize = blockSize
             self.readAhead = readAhead
@@ -56,6 +62,8 @@ public final class BlockReader: Sendable {
     }
 
     public let config: Config
+    /// `Config.wholeObjectLimit`'s default, chosen by measurement (docs/experiments.md).
+    public static let defaultWholeObjectLimit: Int64 = 1 << 20
     let store: ObjectStore
     /// How the store's connections may be steered, where it pools them (the HTTP stores).
     let tuning: (any ConnectionTuning)?
@@ -139,11 +147,11 @@ public final class BlockReader: Sendable {
     /// Read-ahead parts take part-sized regions; demand downloads (at most one FUSE request
     /// plus a block) take small ones. One pool for both let a 16 KiB miss hold a recycled,
     /// fully resident 8 MiB region, so memory was no longer bounded by `memory_limit`.
-    func newFlight(first: Int, last: Int, start: Int64, length: Int, readAhead: Bool = false,
-                           probe: BucketHealth.Probe? = nil) -> Flight {
+    func newFlight(first: Int, last: Int, start: Int64, length: Int, readAhead: Bool = false, wholeObject: Bool = false,
+                   probe: BucketHealth.Probe? = nil) -> Flight {
         let pool = length <= requestBuffers.regionSize ? requestBuffers : buffers
         return Flight(firstBlock: first, blockCount: last - first + 1, start: start, length: length, isReadAhead: readAhead,
-                      budget: budget, pool: pool, probe: probe)
+                      keptUntilRead: readAhead || wholeObject, budget: budget, pool: pool, probe: probe)
     }
 
     /// Prefetch threads start on first use, after the daemon has forked. A thread writes its
@@ -183,7 +191,7 @@ public final class BlockReader: Sendable {
             return entry.table
         }
         return Stream(meta: meta, cached: cached, flights: table,
-                      detector: Prefetcher(minWindow: minWindow, maxWindow: config.readAhead))
+                      detector: ReadStreams(minWindow: minWindow, maxWindow: config.readAhead))
     }
 
     func closeStream(_ stream: Stream) {

@@ -229,16 +229,23 @@ extension BlockReader {
         if landed() { return nil }
         // During an outage one download at a time asks (BucketHealth): it carries the probe.
         let probe = try health.admit()
+        var first = block
         var last = block
         var lastBlock = lastBlock
         // The file's first read, its first bytes asked beside its lookup: it takes all of them.
         if block == 0, firstBytes.contains(meta.name) {
             lastBlock = max(lastBlock, Int((min(Int64(FirstBytesTable.length), meta.size) - 1) / Int64(blockSize)))
         }
+        // A small file none of which is here yet is fetched whole (`Config.wholeObjectLimit`).
+        let whole = isFetchedWhole(stream)
+        if whole {
+            first = 0
+            lastBlock = Int((meta.size - 1) / Int64(blockSize))
+        }
         while last < lastBlock, stream.flights.flight(for: last + 1) == nil, !(stream.cached?.isCached(last + 1) ?? false) {
             last += 1
         }
-        let start = Int64(block) * Int64(blockSize)
+        let start = Int64(first) * Int64(blockSize)
         let length = Int(min(meta.size, Int64(last + 1) * Int64(blockSize)) - start)
         // Finished read-ahead nobody has read yet gives way to a reader once its cache copy is
         // made (with the cache off at once: it could hold the whole budget, even this file's).
@@ -250,8 +257,17 @@ extension BlockReader {
             budget.release(Int64(length))
             return nil
         }
-        let flight = newFlight(first: block, last: last, start: start, length: length, probe: probe)
+        let flight = newFlight(first: first, last: last, start: start, length: length, wholeObject: whole, probe: probe)
         if let raced = stream.flights.register(flight, orExistingFor: block) { return raced }
         return flight
+    }
+
+    /// Whether the next miss of this file fetches it whole: it is small (at most
+    /// `Config.wholeObjectLimit`), and none of it is cached or coming.
+    func isFetchedWhole(_ stream: Stream) -> Bool {
+        let size = stream.meta.size
+        guard size > 0, size <= config.wholeObjectLimit else { return false }
+        let all = 0...Int((size - 1) / Int64(blockSize))
+        return !stream.flights.coveredMask(all).contains(true) && !(stream.cached?.cachedMask(all).contains(true) ?? false)
     }
 }

@@ -143,7 +143,7 @@ extension BlockReader {
                 cached.noteServedWrong()
                 return
             }
-            if !flight.isReadAhead, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
+            if !flight.keptUntilRead, cached.cachedBytes(from: flight.start, upTo: flight.end) == flight.length {
                 stream.flights.forget(flight)
                 return
             }

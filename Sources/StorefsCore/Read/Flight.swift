@@ -11,9 +11,12 @@ final class Flight: @unchecked Sendable {
     let blockCount: Int
     let start: Int64
     let length: Int
-    /// Scheduled ahead of its reader (not a reader's own miss): kept once cached until the
-    /// reader has copied it (`BlockReader.storeToCache`), even if a reader ran it.
+    /// Scheduled ahead of its reader (not a reader's own miss).
     let isReadAhead: Bool
+    /// Kept in memory once cached until a reader has copied it to its end (or the file is
+    /// closed, or memory runs short): read-ahead, and a small file fetched whole by its first
+    /// read, whose reader comes back for the rest (`BlockReader.storeToCache`).
+    let keptUntilRead: Bool
     /// Taken from the pool when the download starts (`beginDownload`), so read-ahead queued
     /// behind busy threads holds budget but no memory. Readers use it only after `finish`.
     private(set) var buffer = UnsafeMutableRawBufferPointer(start: nil, count: 0)
@@ -30,7 +33,8 @@ final class Flight: @unchecked Sendable {
     let probe: BucketHealth.Probe?
 
     init(firstBlock: Int, blockCount: Int, start: Int64, length: Int, isReadAhead: Bool = false,
-         budget: MemoryBudget, pool: FlightBufferPool, probe: BucketHealth.Probe? = nil) {
+         keptUntilRead: Bool? = nil, budget: MemoryBudget, pool: FlightBufferPool, probe: BucketHealth.Probe? = nil) {
+        self.keptUntilRead = keptUntilRead ?? isReadAhead
         self.probe = probe
         self.firstBlock = firstBlock
         self.blockCount = blockCount

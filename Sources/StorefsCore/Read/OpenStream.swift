@@ -7,7 +7,8 @@ extension BlockReader {
         let meta: ObjectMetadata
         let cached: CachedObject?
         let flights: FlightTable
-        let detector: Mutex<Prefetcher>
+        /// The sequential streams read through this file (a leaf lock).
+        let detector: Mutex<ReadStreams>
         /// The object's `servedWrongEpoch` when this file was opened.
         let openedEpoch: Int
         /// A warm connection set aside for the download of a read that missed, before that
@@ -17,7 +18,7 @@ extension BlockReader {
         /// and is noted for read-ahead once.
         private let lastRead = Mutex<(offset: Int64, count: Int)?>(nil)
 
-        init(meta: ObjectMetadata, cached: CachedObject?, flights: FlightTable, detector: Prefetcher) {
+        init(meta: ObjectMetadata, cached: CachedObject?, flights: FlightTable, detector: ReadStreams) {
             self.meta = meta
             self.cached = cached
             self.flights = flights

@@ -6,23 +6,31 @@ import Synchronization
 /// (docs/architecture.md, "Adaptive transfers"; the map is in BlockReader.swift).
 extension BlockReader {
     func observe(_ stream: Stream, offset: Int64, count: Int) {
+        // A small file's first miss fetches it whole: nothing to read ahead.
+        if stream.meta.size <= config.wholeObjectLimit { return }
         // A reader's window covers its share of the parts that may run at once, and a little
         // more: alone, all of them; beside other readers that want read-ahead, an equal share
         // (the gate shares the slots so, `PartQueue`), so that N readers together hold about
         // the parts in flight plus two each, not N times all of them.
-        let (parts, part, near, readers, nextParts) = transfers.current(for: ObjectIdentifier(stream))
+        // Each sequential stream in the file is a reader of its own (`ReadStreams`).
+        let id = stream.detector.withLock { $0.stream(for: offset, count: count) }
+        let reader = ReaderID(file: ObjectIdentifier(stream), stream: id)
+        let (parts, part, near, readers, nextParts) = transfers.current(for: reader)
         let share = config.adaptive ? max(1, parts / readers) : parts
         let limit = config.adaptive ? Int64(share + 2) * part : config.readAhead
-        let (ahead, isStream, warm) = stream.detector.withLock {
-            ($0.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), $0.hasEvidence,
-             stream.cached == nil ? nil : $0.warm(reach: Self.warmReach, size: stream.meta.size))
+        let observed = stream.detector.withLock { d in
+            d.with(id) { p in
+                (p.observe(offset: offset, count: count, size: stream.meta.size, limit: limit, granularity: part), p.hasEvidence,
+                 stream.cached == nil ? nil : p.warm(reach: Self.warmReach, size: stream.meta.size))
+            }
         }
+        guard let (ahead, isStream, warm) = observed else { return }
         if let warm { self.warm(stream, warm) }
         guard let ahead else { return }
         // During an outage nothing is read ahead: one operation at a time asks (BucketHealth),
         // and that is a reader's. The window is tried again on the next read.
         if health.outage != nil {
-            stream.detector.withLock { $0.unscheduled(from: ahead.lowerBound) }
+            stream.detector.withLock { _ = $0.with(id) { $0.unscheduled(from: ahead.lowerBound) } }
             return
         }
         // Only for a stream (a short read's first window needs no more connections) with bytes
@@ -31,9 +39,9 @@ extension BlockReader {
            Int64(stream.cached?.cachedBytes(from: ahead.lowerBound, upTo: ahead.upperBound) ?? 0) < Int64(ahead.count) {
             openConnectionsAhead(stream, from: ahead.lowerBound, parts: nextParts, part: part)
         }
-        if let stopped = schedule(stream, ahead) {
+        if let stopped = schedule(stream, ahead, for: reader) {
             // Out of memory budget: the rest of the window is tried again on the next read.
-            stream.detector.withLock { $0.unscheduled(from: stopped) }
+            stream.detector.withLock { _ = $0.with(id) { $0.unscheduled(from: stopped) } }
         }
     }
 
@@ -95,7 +103,7 @@ extension BlockReader {
     /// are cached or already coming; stops where the memory budget is used up and returns where
     /// it stopped (nil when all of it is scheduled). Called on FUSE threads by many readers at
     /// once: it looks at the cache index and the flight table once each, not once per block.
-    func schedule(_ stream: Stream, _ range: Range<Int64>) -> Int64? {
+    func schedule(_ stream: Stream, _ range: Range<Int64>, for reader: ReaderID) -> Int64? {
         let meta = stream.meta
         let first = Int(range.lowerBound / Int64(blockSize))
         let last = Int((range.upperBound - 1) / Int64(blockSize))
@@ -124,7 +132,6 @@ extension BlockReader {
             if stream.flights.registerIfFree(flight) {
                 // Read-ahead outlives the read that asked for it: keep the cache file open.
                 stream.cached?.open()
-                let reader = ObjectIdentifier(stream)
                 transfers.enqueue(for: reader, on: prefetchPool) { [self] in
                     let t0 = now()
                     if flight.claim() {

@@ -327,7 +327,7 @@ final class TransferController: Sendable {
 
     private struct State: ~Copyable {
         var plan: TransferPlan
-        var queue = PartQueue<ObjectIdentifier, Job>()
+        var queue = PartQueue<ReaderID, Job>()
     }
 
     private let state: Mutex<State>
@@ -349,7 +349,7 @@ final class TransferController: Sendable {
     /// readers share the slots if `reader` asks for more (`sharingReaders`) and what a step up
     /// would take the count to (`TransferPlan.nextParts`: connections are opened for it). Until
     /// the server is found near, the store's fastest answer (a lookup's) may say so first.
-    func current(for reader: ObjectIdentifier) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int, nextParts: Int) {
+    func current(for reader: ReaderID) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int, nextParts: Int) {
         state.withLock { s in
             noteFastestAnswer(&s)
             return (s.plan.parts, s.plan.partSize, s.plan.isNear, Self.sharing(s.queue, with: reader), s.plan.nextParts)
@@ -377,11 +377,11 @@ final class TransferController: Sendable {
     var running: Int { state.withLock { $0.queue.running } }
     /// Readers (open files) with read-ahead waiting or running, `reader` counted whether or not
     /// it has any: how many share the slots if `reader` asks for more.
-    func sharingReaders(with reader: ObjectIdentifier) -> Int {
+    func sharingReaders(with reader: ReaderID) -> Int {
         state.withLock { Self.sharing($0.queue, with: reader) }
     }
 
-    private static func sharing(_ queue: borrowing PartQueue<ObjectIdentifier, Job>, with reader: ObjectIdentifier) -> Int {
+    private static func sharing(_ queue: borrowing PartQueue<ReaderID, Job>, with reader: ReaderID) -> Int {
         queue.readers + (queue.isSharing(reader) ? 0 : 1)
     }
 
@@ -393,7 +393,7 @@ final class TransferController: Sendable {
 
     /// Queues a read-ahead part of `reader`'s: `run` goes to `pool` once the part has a slot,
     /// and must give it back with `release(for: reader, …)`.
-    func enqueue(for reader: ObjectIdentifier, on pool: WorkerPool, _ run: @escaping @Sendable () -> Void) {
+    func enqueue(for reader: ReaderID, on pool: WorkerPool, _ run: @escaping @Sendable () -> Void) {
         let ready = state.withLock { s -> [Job] in
             s.queue.add(Job(pool: pool, run: run), for: reader)
             return Self.startable(&s)
@@ -416,7 +416,7 @@ final class TransferController: Sendable {
 
     /// A slot is given back: the part moved `bytes` in `seconds` (first byte after
     /// `firstByte`), or failed (`refused`: the server asked for fewer requests).
-    func release(for reader: ObjectIdentifier, bytes: Int64, seconds: Double, firstByte: Double,
+    func release(for reader: ReaderID, bytes: Int64, seconds: Double, firstByte: Double,
                  failed: Bool = false, refused: Bool = false) {
         let now = monotonicNow()
         let ready = state.withLock { s -> [Job] in
@@ -431,3 +431,12 @@ final class TransferController: Sendable {
         for job in ready { job.pool.submit(job.run) }
     }
 }
+
+/// Who asks for read-ahead: one sequential stream (`ReadStreams`) of one open file. Slots are
+/// shared between them (`PartQueue`), so four streams in one file get four shares, as four
+/// files would.
+struct ReaderID: Hashable, Sendable {
+    let file: ObjectIdentifier
+    let stream: Int
+}
+
