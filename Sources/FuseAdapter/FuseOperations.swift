@@ -435,7 +435,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
-    // The block cache's capacity and free space, and names remembered (README, "df").
+    // The block cache's capacity and free space, and names remembered (README, "Stats and metrics").
     ops.statfs = { req, ino in
         let started = monotonicNow()
         let usage = context(req).fs.usage()
