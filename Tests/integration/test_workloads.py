@@ -31,13 +31,12 @@ KiB, MiB = 1 << 10, 1 << 20
 # A file whose size is known and at most this is fetched whole by its first read: one GET.
 # The lead aligns it with the threshold storefs chooses (issue 48 asks for 1-4 MiB, by measurement).
 SMALL_FILE_LIMIT = 1 * MiB
-# The kernel's first FUSE read of a file (its initial read-ahead window): a file larger than
-# this needs a second read, which must not become a second GET.
+# The kernel's first FUSE read of a file asks for at most its initial read-ahead window (128
+# KiB), and with many readers at once often for one page (4 KiB): the reads after it, however
+# many, must not become more GETs.
 KERNEL_FIRST_READ = 128 * KiB
 
 SMALL_DIR = "small/"
-
-
 SMALL_FILES = 96
 READERS = 16  # the issue's data loader: 16 threads, each reading the next file whole
 
