@@ -37,7 +37,8 @@ COLORS = {
     "baseline": "#757575",
 }
 OTHER_COLOR = "#9575cd"  # a system not named above
-KINDS = {"MiB/s": "throughput", "µs": "latency", "ms": "time", "s": "time", "MiB": "memory"}
+KINDS = {"MiB/s": "throughput", "µs": "latency", "ms": "time", "s": "time", "MiB": "memory",
+         "files/s": "throughput", "requests": "count", "connections": "count"}
 LEGEND = {
     "curl-1": "curl-1 (one GET)", "curl-8": "curl-8 (8 ranged GETs)", "curl-16": "curl-16 (16 ranged GETs)",
     "walk": "walk (direct listing: the floor)", "floor": "floor (floorfs.c)",

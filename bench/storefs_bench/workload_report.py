@@ -23,9 +23,9 @@ MEMORY_HIT_US = 50      # a block-cache hit whose cache file pages are in memory
 # key, label, unit, higher is better, the baseline's key in `base` (or None), compared with rclone
 ROWS = [
     ("files_rate", FILES_LABEL, "files/s", True, "wl_files_rate", True),
-    ("files_wall", "  the same: wall time (listing + reads)", "s", False, "wl_files_wall", True),
-    ("files_media", "  the same: media requests", "requests", False, "wl_files_media", True),
-    ("files_conns", "  the same: new connections (link only)", "connections", False, "wl_files_conns", False),
+    ("files_wall", "  1,000 files: wall time (listing + reads)", "s", False, "wl_files_wall", True),
+    ("files_media", "  1,000 files: media requests", "requests", False, "wl_files_media", True),
+    ("files_conns", "  1,000 files: new connections (link only)", "connections", False, "wl_files_conns", False),
     ("mmap_1", "mmap, 1 thread (every page in order)", "MiB/s", True, "wl_mmap_curl", True),
     ("mmap_4", f"mmap, {MMAP_THREADS} threads (a quarter each, at once)", "MiB/s", True, "wl_mmap_curl", True),
     ("mmap_rss_1", "  daemon peak RSS, mmap 1 thread", "MiB", False, None, True),
