@@ -23,6 +23,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +36,7 @@ import pytest
 import tls_fixture
 from gcs_emulator import GCSEmulator
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKET = "test-bucket"
 MOUNT_TIMEOUT_S = 30.0       # from spawn to the mount showing in /proc/self/mountinfo
 EXIT_TIMEOUT_S = 10.0        # from unmount/signal to the storefs process being gone
@@ -949,3 +951,50 @@ def vm_kib(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+# ====================================================================== bench/link's modelled link
+def link_module():
+    """bench/link/link.py (LinkProxy, PROFILES), the benchmark's modelled link."""
+    d = os.path.join(REPO, "bench", "link")
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    import link
+    return link
+
+
+@contextlib.contextmanager
+def link_in_front_of(port: int, tmp_path, profile: str | None = None, **settings):
+    """A link proxy (a profile, or these settings) in front of the server on `port`; stopped
+    (by pid) when the block ends, however it ends. Plain http: it models the link at the HTTP
+    level (it reads each request to log it)."""
+    link = link_module()
+    kw = dict(workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
+    proxy = link.LinkProxy.profile(profile, port, **kw) if profile else link.LinkProxy(port, **settings, **kw)
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def link_media_requests(proxy) -> list[dict]:
+    """Media GETs the link proxy logged since its last reset_stats(), other than the one-byte
+    requests that open connections ahead of need."""
+    return [r for r in proxy.stats()["per_request"] if "alt=media" in r["path"] and r["range"] != "bytes=0-0"]
+
+
+def most_at_once(requests: list[dict]) -> int:
+    """The most requests (the link proxy's log entries) whose [request, last byte] intervals overlap."""
+    events = []
+    for r in requests:
+        end = r["t_last"] if r["t_last"] is not None else r["t_req"]
+        events += [(r["t_req"], 1), (end, -1)]
+    most = now = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        now += step
+        most = max(most, now)
+    return most

@@ -418,10 +418,10 @@ def print_link_usage(extra: dict, link_info: dict) -> None:
     over = link_info.get("overhead")
     if over is not None:
         print(overhead_line(over))
+    elif not link_info.get("tls_topology"):
+        print(f"link proxy's own overhead: not measured ({link_info.get('overhead_error', 'unknown')})")
     if link_info.get("tls_topology"):
         print(f"--tls topology: {link_info['tls_topology']}")
-    else:
-        print(f"link proxy's own overhead: not measured ({link_info.get('overhead_error', 'unknown')})")
     phases = [k for k in extra if k.startswith("link_stats:")]
     if not phases:
         return

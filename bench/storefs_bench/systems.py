@@ -87,6 +87,8 @@ class RunContext:
         self.mnt = os.path.join(workdir, "mnt")
         os.makedirs(self.mnt)
         self.local_big = ""
+        # The workload rows' files (workloads.py), shown by the floor too: its MANIFEST argument.
+        self.floor_manifest = ""
         # Timeouts of pread passes and walks are multiplied by this: 5 through a modelled link,
         # where every request pays a time-to-first-byte and new connections a setup delay.
         self.timeout_factor = 1.0
@@ -130,7 +132,8 @@ class Mount:
         """(argv, fstype it shows in mountinfo) for this system."""
         c = self.ctx
         if self.system == "floor":
-            return ([c.floor_bin, c.object_url, str(c.size), BIG, self.mnt], "fuse.floorfs")
+            return ([c.floor_bin, c.object_url, str(c.size), BIG, self.mnt]
+                    + ([c.floor_manifest] if c.floor_manifest else []), "fuse.floorfs")
         if self.system in STOREFS_VARIANTS:
             opts = c.storefs_options(self.cache_dir, STOREFS_VARIANTS[self.system])
             return [c.storefs_bin, "-f", "-o", opts, c.bucket, self.mnt], "fuse.storefs"
