@@ -23,7 +23,7 @@ let package = Package(
         .executableTarget(name: "storefs", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"],
                           swiftSettings: strict),
         // What the test targets share: an in-memory bucket (MemoryStore).
-        .target(name: "StorefsTestSupport", dependencies: ["StorefsCore", "StorageClient"], path: "Tests/StorefsTestSupport"),
+        .target(name: "StorefsTestSupport", dependencies: ["StorageClient", "CBlockCache"], path: "Tests/StorefsTestSupport"),
         .testTarget(name: "StorageClientTests", dependencies: ["StorageClient"]),
         .testTarget(name: "StorefsCoreTests", dependencies: ["StorefsCore", "StorageClient", "StorefsTestSupport"]),
         .testTarget(name: "FuseAdapterTests", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient", "StorefsTestSupport"]),

@@ -1,7 +1,7 @@
 import Foundation
 import Glibc
 import StorageClient
-@testable import StorefsCore
+internal import CBlockCache
 import Synchronization
 
 /// An in-memory bucket that counts requests, for testing the core and the adapter without HTTP
@@ -87,7 +87,7 @@ public final class MemoryStore: ObjectStore, ConnectionTuning {
         var m = ObjectMetadata(name: name, bucket: bucket, size: Int64(bytes.count), generation: generation,
                                updated: Timestamp(seconds: 1_700_000_000), contentType: "text/plain", custom: custom)
         if crc32c {
-            let crc = bytes.withUnsafeBytes { Checksum.crc32c($0) }
+            let crc = bytes.withUnsafeBytes { cchecksum_crc32c(0, $0.baseAddress, $0.count) }
             m.crc32c = Data([UInt8(crc >> 24), UInt8(crc >> 16 & 0xff), UInt8(crc >> 8 & 0xff), UInt8(crc & 0xff)]).base64EncodedString()
         }
         m.downloadTokens = custom["firebaseStorageDownloadTokens"].map { $0.split(separator: ",").map(String.init) } ?? []
