@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import datetime as _dt
 import errno
 import gzip
@@ -949,3 +950,21 @@ def vm_kib(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+# ====================================================================== mounts by descriptor
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fuse_mount(mountpoint: str, uid: int, gid: int, extra: str = "default_permissions,allow_other") -> int:
+    """What a CSI node plugin does: open /dev/fuse and mount it at `mountpoint` with fd=N for
+    user `uid`; returns the descriptor (close-on-exec: pass it on explicitly)."""
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    data = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid}" + (f",{extra}" if extra else "")
+    if _libc.mount(b"storefs", mountpoint.encode(), b"fuse.storefs",
+                   MS_RDONLY | MS_NOSUID | MS_NODEV, data.encode()) != 0:
+        err = ctypes.get_errno()
+        os.close(fd)
+        pytest.fail(f"mount(2) of /dev/fuse at {mountpoint} failed: {os.strerror(err)}", pytrace=False)
+    return fd

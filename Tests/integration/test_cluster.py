@@ -15,10 +15,8 @@ processes stopped by pid, whatever happens.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pwd
-import select
 import shutil
 import signal
 import socket
@@ -29,30 +27,15 @@ import uuid
 
 import pytest
 
-from storefs_testlib import (BUCKET, EXIT_TIMEOUT_S, MOUNT_TIMEOUT_S, expected_tree, is_mounted,
-                             mount_at, pid_alive, read_whole, wait_for, wait_pid_gone)
+from storefs_testlib import (BUCKET, EXIT_TIMEOUT_S, MOUNT_TIMEOUT_S, expected_tree, fuse_mount,
+                             is_mounted, mount_at, pid_alive, pids_with_arg, read_whole, wait_for,
+                             wait_pid_gone)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FDPASS = os.path.join(ROOT, "packaging", "container", "storefs-fdpass")
 
-MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 # ---------------------------------------------------------------- helpers and fixtures
-def fuse_mount(mountpoint: str, uid: int, gid: int, extra: str = "default_permissions,allow_other") -> int:
-    """What a CSI node plugin does: open /dev/fuse and mount it at `mountpoint` with fd=N for
-    user `uid`; returns the descriptor (close-on-exec: pass it on explicitly)."""
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    data = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid}" + (f",{extra}" if extra else "")
-    if _libc.mount(b"storefs", mountpoint.encode(), b"fuse.storefs",
-                   MS_RDONLY | MS_NOSUID | MS_NODEV, data.encode()) != 0:
-        err = ctypes.get_errno()
-        os.close(fd)
-        pytest.fail(f"mount(2) of /dev/fuse at {mountpoint} failed: {os.strerror(err)}", pytrace=False)
-    return fd
-
-
 def unmount_all(path: str) -> None:
     while is_mounted(path):
         if subprocess.run(["umount", "-l", path], capture_output=True, timeout=30).returncode != 0:
@@ -219,41 +202,45 @@ def test_dev_fd_serves_a_connection_another_process_mounted_and_exits_0_on_unmou
         stop(proc)
 
 
-def test_dev_fd_as_root_raises_the_connections_read_ahead(storefs_bin, emulator, corpus, place):
-    """No mount point to look up in /proc/self/mountinfo: the connection's device, from
-    /proc/self/fdinfo/N, names the bdi whose read_ahead_kb storefs raises to 1024."""
+def test_dev_fd_as_root_daemonizes_raises_the_read_ahead_and_warns_of_ignored_mount_options(
+        storefs_bin, emulator, corpus, place):
+    """Without -f storefs returns once it serves the connection and the daemon keeps it. No
+    mount point to look up in /proc/self/mountinfo: the connection's device, from
+    /proc/self/fdinfo/N, names the bdi whose read_ahead_kb storefs raises to 1024. A mount
+    option given to storefs is the mounter's to choose: ignored, with a warning."""
     os.chown(place.cache, 0, 0)   # root's storefs: root's cache
     fd = fuse_mount(place.mnt, 0, 0)
-    entry_dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split(" ")
-            if fields[4] == place.mnt:
-                entry_dev = fields[2]
-    assert entry_dev, f"{place.mnt} not in mountinfo"
+    entry_dev = [l.split(" ")[2] for l in open("/proc/self/mountinfo") if l.split(" ")[4] == place.mnt][-1]
     bdi = f"/sys/class/bdi/{entry_dev}/read_ahead_kb"
     with open(bdi) as f:
         before = f.read().strip()
     assert before != "1024", f"{bdi} is already 1024: the test proves nothing"
-    proc = None
+    daemon = None
     try:
-        with open(place.log, "ab") as log:
-            proc = subprocess.Popen(storefs_argv(storefs_bin, emulator, place, f"/dev/fd/{fd}"),
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True, pass_fds=(fd,))
+        argv = storefs_argv(storefs_bin, emulator, place, f"/dev/fd/{fd}", "allow_other", "log_file=" + place.log)
+        argv.remove("-f")
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                           pass_fds=(fd,))
         os.close(fd)
         fd = -1
-        wait_served(place.mnt, proc, place)
+        assert r.returncode == 0, r.stderr
+        assert "mount options are the mounter's with /dev/fd/N: ignoring allow_other" in place.stderr(), place.stderr()
+        daemons = [p for p in pids_with_arg(argv[-1]) if pid_alive(p)]
+        assert len(daemons) == 1, daemons
+        daemon = daemons[0]
+        assert read_whole(os.path.join(place.mnt, "files/hello.txt")) == corpus.data["files/hello.txt"]
         with open(bdi) as f:
             assert f.read().strip() == "1024", f"{bdi} not raised\n{place.stderr()}"
-        assert read_whole(os.path.join(place.mnt, "files/hello.txt")) == corpus.data["files/hello.txt"]
         assert subprocess.run(["umount", place.mnt], capture_output=True, timeout=30).returncode == 0
-        assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0, place.stderr()
+        assert wait_pid_gone(daemon, EXIT_TIMEOUT_S), f"the daemon outlived the unmount:\n{place.stderr()}"
+        daemon = None
+        assert "level=error" not in place.stderr(), place.stderr()
     finally:
         if fd >= 0:
             os.close(fd)
         unmount_all(place.mnt)
-        stop(proc)
+        if daemon is not None and pid_alive(daemon):
+            os.kill(daemon, signal.SIGKILL)
 
 
 BAD_DESCRIPTORS = {
@@ -327,11 +314,14 @@ def test_fdpass_mounts_privileged_and_hands_the_connection_to_unprivileged_store
         storefs_bin, emulator, corpus, worker, place):
     """The sidecar example's two containers as two processes: root mounts and sends the
     descriptor over a Unix socket; the worker's storefs serves it. When storefs dies the next
-    one gets a fresh mount; SIGTERM to the mounter unmounts, and storefs exits 0."""
+    one gets a fresh mount; SIGTERM to the mounter unmounts, and storefs exits 0. The mount
+    point is itself a mount, as a Kubernetes volume is, and stays one."""
     _, uid, gid = worker
     sock = os.path.join(place.top, "fd.sock")
     mounter = first = second = None
     receive = [FDPASS, "receive", "--socket", sock, "--wait", "30", "--"]
+    subprocess.run(["mount", "--bind", place.mnt, place.mnt], check=True, capture_output=True, timeout=30)
+    volume = mount_at(place.mnt)
     try:
         mounter = start_mounter(place, worker, sock)
         st = os.stat(sock)
@@ -339,7 +329,7 @@ def test_fdpass_mounts_privileged_and_hands_the_connection_to_unprivileged_store
         first = as_worker(worker, receive + storefs_argv(storefs_bin, emulator, place, "/dev/fd/3"), place)
         wait_served(place.mnt, first, place)
         assert read_whole(os.path.join(place.mnt, corpus.BIG)) == corpus.data[corpus.BIG]
-        dev = next(l.split(" ")[2] for l in open("/proc/self/mountinfo") if l.split(" ")[4] == place.mnt)
+        dev = [l.split(" ")[2] for l in open("/proc/self/mountinfo") if l.split(" ")[4] == place.mnt][-1]
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb") as f:
             assert f.read().strip() == "1024"
         # The first storefs dies: its connection dies with it (the mounter kept no copy).
@@ -352,7 +342,7 @@ def test_fdpass_mounts_privileged_and_hands_the_connection_to_unprivileged_store
         check_corpus(place.mnt, corpus)
         os.kill(mounter.pid, signal.SIGTERM)
         assert mounter.wait(timeout=30) == 0, open(os.path.join(place.top, "mounter.log")).read()
-        assert not is_mounted(place.mnt)
+        assert mount_at(place.mnt) == volume, "the mounter unmounted more than its own mounts"
         try:
             rc = second.wait(timeout=EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
