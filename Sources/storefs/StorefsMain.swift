@@ -93,7 +93,8 @@ enum StorefsMain {
             if let problem = HandedInConnection.problem(with: fd) { return fail(problem) }
             let ignored = o.fuseOptions + (o.nonempty ? ["nonempty"] : [])
             if !ignored.isEmpty {
-                Log.warn("mount options are the mounter's with /dev/fd/N: ignoring \(ignored.joined(separator: ",")) (give them to the mount that made the connection)")
+                Log.warn("mount options are the mounter's with /dev/fd/N: these are ignored (give them to the mount that made the connection)",
+                         ["ignored": ignored.joined(separator: ",")])
             }
             mountpoint = o.mountpoint
         } else {
