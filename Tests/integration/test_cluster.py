@@ -16,20 +16,17 @@ processes stopped by pid, whatever happens.
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-import uuid
 
 import pytest
 
 from storefs_testlib import (BUCKET, EXIT_TIMEOUT_S, MOUNT_TIMEOUT_S, expected_tree, fuse_mount,
-                             is_mounted, mount_at, pid_alive, pids_with_arg, read_whole, wait_for,
-                             wait_pid_gone)
+                             is_mounted, metrics_over_unix, mount_at, pid_alive, pids_with_arg,
+                             read_whole, throwaway_user, wait_for, wait_pid_gone)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FDPASS = os.path.join(ROOT, "packaging", "container", "storefs-fdpass")
@@ -52,25 +49,8 @@ def stop(proc: subprocess.Popen | None) -> None:
 def worker():
     """A throwaway system user with no home and no shell, storefs's unprivileged account:
     (name, uid, gid); its processes are killed by pid and the user removed at teardown."""
-    for tool in ("useradd", "userdel"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} not found: these tests run storefs as a throwaway user", pytrace=False)
-    if os.getuid() != 0:
-        pytest.fail("these tests mount with mount(2) and make a throwaway user: run them as root", pytrace=False)
-    name = "sfclu" + uuid.uuid4().hex[:8]
-    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                    "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=60)
-    pw = pwd.getpwnam(name)
-    try:
-        yield name, pw.pw_uid, pw.pw_gid
-    finally:
-        for d in os.listdir("/proc"):
-            try:
-                if d.isdigit() and os.stat(f"/proc/{d}").st_uid == pw.pw_uid:
-                    os.kill(int(d), signal.SIGKILL)
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+    with throwaway_user("sfclu", "these tests run storefs as") as user:
+        yield user
 
 
 class Place:
@@ -152,17 +132,6 @@ def check_corpus(mnt: str, corpus) -> int:
         assert got == corpus.data[name], f"{rel}: {len(got)} bytes differ from the bucket's {len(corpus.data[name])}"
         total += len(got)
     return total
-
-
-def metrics_over_unix(path: str) -> bytes:
-    with socket.socket(socket.AF_UNIX) as c:
-        c.settimeout(10)
-        c.connect(path)
-        c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        answer = b""
-        while chunk := c.recv(65536):
-            answer += chunk
-    return answer
 
 
 # ---------------------------------------------------------------- storefs SOURCE /dev/fd/N
