@@ -229,7 +229,7 @@ def test_image_sidecar_pair_mounts_privileged_and_serves_unprivileged(podman, im
     """packaging/kubernetes/sidecar.yaml's fuse-mounter and storefs containers, run by podman:
     the mount point is a shared bind of a host directory (what Bidirectional gives), the
     socket directory is shared (the emptyDir), storefs runs as the image's user with no
-    capabilities; the host reads the bucket."""
+    capabilities and a read-only root, its cache on a volume; the host reads the bucket."""
     tag, _ = image
     run(["mount", "--bind", place.mnt, place.mnt])
     run(["mount", "--make-shared", place.mnt])
@@ -240,11 +240,16 @@ def test_image_sidecar_pair_mounts_privileged_and_serves_unprivileged(podman, im
                "-v", f"{place.mnt}:/mnt/bucket:rshared", "--entrypoint", "storefs-fdpass", tag,
                "mount", "--socket", "/run/storefs/fd.sock", "--uid", str(IMAGE_UID), "--gid", str(IMAGE_UID),
                "--allow-other", "/mnt/bucket")
-        podman("run", "-d", "--name", names[1], "--network=host", "--cap-drop=all",
+        # As sidecar.yaml runs it: no capabilities, a read-only root, the cache on a volume.
+        cache = os.path.join(place.top, "cache")
+        os.mkdir(cache, 0o700)
+        os.chown(cache, IMAGE_UID, IMAGE_UID)
+        podman("run", "-d", "--name", names[1], "--network=host", "--cap-drop=all", "--read-only",
                "--security-opt=no-new-privileges", *podman.run_options, "-v", f"{place.sock}:/run/storefs",
-               "-v", f"{place.ca}:/etc/storefs/ca.pem:ro", "--entrypoint", "storefs-fdpass", tag,
+               "-v", f"{cache}:/var/cache/storefs", "-v", f"{place.ca}:/etc/storefs/ca.pem:ro",
+               "--entrypoint", "storefs-fdpass", tag,
                "receive", "--socket", "/run/storefs/fd.sock", "--", "storefs", "-f", "-o",
-               storefs_options(emulator), BUCKET, "/dev/fd/3")
+               storefs_options(emulator) + ",cache_dir=/var/cache/storefs/bucket", BUCKET, "/dev/fd/3")
 
         def ended() -> str:
             states = [podman("inspect", "--format", "{{.State.Status}}", n).stdout.strip() for n in names]
@@ -256,6 +261,7 @@ def test_image_sidecar_pair_mounts_privileged_and_serves_unprivileged(podman, im
         entry = mount_at(place.mnt)
         assert entry is not None and entry[1] == "fuse.storefs", entry
         check_sample(place.mnt, corpus)
+        assert os.path.isdir(os.path.join(cache, "bucket", "v1")), os.listdir(cache)
         # Pod shutdown: the mounter unmounts on SIGTERM; storefs sees its connection end.
         podman("stop", "--time=20", names[0], timeout=60)
         rc = podman("wait", names[1], timeout=EXIT_TIMEOUT_S + 30).stdout.strip()
