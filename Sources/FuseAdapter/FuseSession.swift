@@ -158,14 +158,7 @@ public enum FuseSession {
             writeReadahead(bdi: device)
             return
         }
-        guard let mountinfo = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return }
-        let escaped = mountpoint.replacingOccurrences(of: " ", with: "\\040")
-        for line in mountinfo.split(separator: "\n").reversed() {
-            let fields = line.split(separator: " ")
-            guard fields.count > 4, fields[4] == escaped else { continue }
-            writeReadahead(bdi: String(fields[2]))
-            return
-        }
+        if let mount = MountTable.current()?.mount(at: mountpoint) { writeReadahead(bdi: mount.device) }
     }
 
     private static func writeReadahead(bdi: String) {

@@ -300,25 +300,9 @@ enum ProcessInfoEnvironment {
     }
 }
 
-/// What is mounted at `path` ("fuse.storefs gs://b"), if `path` is a mount point
-/// (`/proc/self/mountinfo`, whose paths escape space, tab, newline and `\` as octal).
+/// What is mounted at `path` ("fuse.storefs gs://b"), if `path` is a mount point.
 func mountedAt(_ path: String) -> String? {
-    guard let info = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return nil }
-    var escaped: [UInt8] = []
-    for b in path.utf8 {
-        switch b {
-        case 0x20, 0x09, 0x0A, 0x5C: escaped += Array(("\\" + String(b, radix: 8).leftPadded(to: 3)).utf8)
-        default: escaped.append(b)
-        }
-    }
-    for line in info.split(separator: "\n") {
-        let fields = line.split(separator: " ")
-        guard fields.count > 4, fields[4].utf8.elementsEqual(escaped) else { continue }
-        let rest = line.components(separatedBy: " - ")
-        let tail = rest.count > 1 ? rest[1].split(separator: " ") : []
-        return tail.count >= 2 ? "\(tail[0]) \(tail[1])" : "mounted"
-    }
-    return nil
+    MountTable.current()?.mount(at: path).map { "\($0.type) \($0.source)" }
 }
 
 /// Whether the directory has any entry besides `.` and `..`.
@@ -330,9 +314,5 @@ func isNonEmptyDirectory(_ path: String) -> Bool {
         if name != "." && name != ".." { return true }
     }
     return false
-}
-
-private extension String {
-    func leftPadded(to n: Int) -> String { String(repeating: "0", count: max(0, n - count)) + self }
 }
 
