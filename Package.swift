@@ -27,5 +27,7 @@ let package = Package(
         .testTarget(name: "StorageClientTests", dependencies: ["StorageClient"]),
         .testTarget(name: "StorefsCoreTests", dependencies: ["StorefsCore", "StorageClient", "StorefsTestSupport"]),
         .testTarget(name: "FuseAdapterTests", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient", "StorefsTestSupport"]),
+        // The command line (options, usage, subcommands), in the executable's target.
+        .testTarget(name: "StorefsCommandTests", dependencies: ["storefs", "StorefsCore", "StorageClient"]),
     ]
 )

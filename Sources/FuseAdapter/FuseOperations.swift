@@ -163,6 +163,11 @@ func makeOperations() -> fuse_lowlevel_ops {
         // With the bdi read_ahead_kb raised at mount, this makes sequential reads arrive as 1 MiB requests.
         conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
+        // Readahead reads are background requests, 12 in flight by default: 16 threads each
+        // reading a small file, or 4 streams of one mmap, queued in the kernel behind 12 reads
+        // waiting on the network. As many as there are read workers may wait at once.
+        conn.pointee.max_background = 64
+        conn.pointee.congestion_threshold = 48
         // O_DIRECT reads as requests of the reading thread: a signal it handles (Ctrl-C in
         // `storefs prefetch`) then reaches the daemon as an INTERRUPT. With libfuse's default
         // async direct I/O the reader sleeps uninterruptibly until the download ends
@@ -213,7 +218,7 @@ func makeOperations() -> fuse_lowlevel_ops {
             fs.forget(UInt64(f.ino), count: UInt64(f.nlookup))
         }
         fuse_reply_none(req)
-        Metrics.shared.fuseOps(.forget, count: count)
+        Metrics.shared.operations(FuseOp.forget.rawValue, count: count)
     }
 
     ops.getattr = { req, ino, _ in

@@ -43,6 +43,7 @@ public enum FuseSession {
     public static func run(_ fs: Filesystem, _ settings: Settings, pools: WorkerPools,
                            ready: () -> Void) throws(MountError) -> Int32 {
         let ctx = FuseContext(fs: fs, pools: pools, fuseThreads: settings.maxThreads)
+        FuseOp.nameForMetrics()
         var options = ["ro", "subtype=storefs", "default_permissions"]
         if !settings.fuseOptions.contains(where: { $0.hasPrefix("fsname=") }) {
             options.append("fsname=" + settings.fsname)

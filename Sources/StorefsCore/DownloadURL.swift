@@ -65,7 +65,7 @@ public final class DownloadURL: Sendable {
     /// - `protocol=firebase` on another endpoint (the Firebase emulator): token URLs on it.
     /// - `protocol=gcs` on another endpoint: every object, token or not, gets the endpoint's
     ///   JSON API media URL, the one URL such a server is known to serve.
-    public static func forMount(protocol storageProtocol: MountOptions.StorageProtocol, endpoint: String,
+    public static func forMount(protocol storageProtocol: StorageProtocol, endpoint: String,
                                 signer: URLSigner? = nil, access: Access = .owner, ownerUID: UInt32 = 0) -> DownloadURL {
         var origin = endpoint
         while origin.hasSuffix("/") { origin.removeLast() }

@@ -232,3 +232,23 @@ public final class BlockReader: Sendable {
         Int(min(Int64(blockSize), meta.size - Int64(block) * Int64(blockSize)))
     }
 }
+
+extension BlockReader {
+    /// The read path's gauges: the block cache, memory in flight, read-ahead.
+    func report(into g: inout Gauges) {
+        if let cache {
+            g.cacheDirectory = cache.directory
+            g.cacheUsedBytes = cache.usedBytes
+            g.cacheCapacityBytes = cache.capacity
+            g.cacheObjects = cache.objectCount
+            g.cachePaused = cache.isDegraded
+        }
+        g.inFlightBytes = budget.inUse
+        g.memoryLimitBytes = config.memoryLimit
+        g.readAheadBytes = config.readAhead
+        g.parallel = transfers.parts
+        g.partBytes = transfers.partSize
+        g.partsRunning = transfers.running
+        g.adaptive = config.adaptive
+    }
+}

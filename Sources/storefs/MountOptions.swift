@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import StorageClient
+import StorefsCore
 
 /// The parsed command line: `storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT`.
 ///
@@ -22,8 +23,6 @@ public struct MountOptions: Sendable, Equatable {
     public var nonempty = false
     public var foreground = false
     public var debug = false
-    public enum StorageProtocol: String, Sendable { case gcs, firebase }
-
     public var storageProtocol = StorageProtocol.gcs
     /// nil: the protocol's production origin (or an emulator variable's).
     public var endpoint: String?

@@ -1,6 +1,7 @@
 import Testing
 import StorageClient
-@testable import StorefsCore
+import StorefsCore
+@testable import storefs
 
 @Suite struct MountOptionsTests {
     func mount(_ args: [String], env: [String: String] = [:]) throws -> MountOptions {
