@@ -1,7 +1,7 @@
 import Foundation
 import Glibc
 import StorageClient
-internal import CBlockCache
+internal import CChecksum
 import Synchronization
 
 /// An in-memory bucket that counts requests, for testing the core and the adapter without HTTP

@@ -1,21 +1,11 @@
 #ifndef STOREFS_CBLOCKCACHE_H
 #define STOREFS_CBLOCKCACHE_H
-/* The block cache's C needs, each something Swift cannot reach directly: CRC32C with the SSE4.2
- * crc32 instruction, SHA-256 from OpenSSL's libcrypto, and fallocate and O_DIRECT (_GNU_SOURCE
- * names Glibc's Swift module does not export). */
+/* The block cache's file operations Swift cannot reach directly: fallocate and O_DIRECT
+ * (_GNU_SOURCE names Glibc's Swift module does not export). Its checksums are CChecksum's. */
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
-/* CRC32C (Castagnoli) of buf, continuing from crc (pass 0 to start). */
-uint32_t cchecksum_crc32c(uint32_t crc, const void *buf, size_t len);
-/* The same CRC without the SSE4.2 instruction (tests compare the two). */
-uint32_t cblockcache_crc32c_portable(uint32_t crc, const void *buf, size_t len);
-/* CRC32C of the concatenation of `count` pieces from their own CRC32Cs (no re-read): every
- * piece `block_len` bytes long but the last, `last_len` (both > 0). */
-uint32_t cblockcache_crc32c_combine(const uint32_t *crcs, size_t count, size_t block_len, size_t last_len);
-/* SHA-256 of buf into out[32]. */
-void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]);
 /* Frees the disk space of [offset, offset+len) keeping the file size (FALLOC_FL_PUNCH_HOLE). 0 or -1/errno. */
 int cblockcache_punch_hole(int fd, off_t offset, off_t len);
 /* Allocates the disk space of [offset, offset+len) (unwritten extents, size kept). 0 or -1/errno. */
