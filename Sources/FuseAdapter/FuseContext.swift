@@ -2,6 +2,7 @@ internal import CFuse3
 import StorageClient
 import StorefsCore
 import Synchronization
+import Locking
 
 /// Everything a FUSE callback needs, reached through `fuse_req_userdata`.
 final class FuseContext: Sendable {
@@ -24,7 +25,7 @@ final class FuseContext: Sendable {
     let reads: ReadDispatch
     /// Requests waiting for a worker, which an INTERRUPT answers at once.
     let queued = QueuedRequests()
-    private let session = Mutex<SessionPointer?>(nil)
+    private let session = OrderedMutex<SessionPointer?>(.fuseSession, nil)
 
     init(fs: Filesystem, pools: WorkerPools, fuseThreads: Int) {
         self.fs = fs
@@ -95,7 +96,7 @@ final class QueuedRequests: Sendable {
 
     /// A leaf lock (nothing is taken or replied under it); libfuse holds the request's own
     /// lock around the interrupt callback that takes it.
-    private let waiting = Mutex([Int: Entry]())
+    private let waiting = OrderedMutex(.queuedRequests, [Int: Entry]())
 
     private static func key(_ raw: fuse_req_t) -> Int { Int(bitPattern: raw) }
 
@@ -140,7 +141,7 @@ final class BufferPool: Sendable {
         var buffers: [Box] = []
         var lastUse = 0.0
     }
-    private let free = Mutex(Free())
+    private let free = OrderedMutex(.replyBuffers, Free())
     let bufferSize: Int
     private let keep: Int
 

@@ -2,6 +2,7 @@ internal import CFuse3
 import Glibc
 import StorefsCore
 import Synchronization
+import Locking
 
 /// Tells the kernel to drop a directory entry it caches (after an object was replaced or
 /// deleted, docs/architecture.md "Overwrites"), from a thread of its own: libfuse forbids
@@ -10,12 +11,12 @@ import Synchronization
 final class KernelNotifier: Sendable {
     private struct Session: @unchecked Sendable { let raw: OpaquePointer }
     /// nil once the session is going away: queued notices are then dropped.
-    private let session: Mutex<Session?>
+    private let session: OrderedMutex<Session?>
     /// Its one thread (`WorkerPools.notify`).
     private let queue: WorkerPool
 
     init(_ se: OpaquePointer, queue: WorkerPool) {
-        session = Mutex(Session(raw: se))
+        session = OrderedMutex(.notifierSession, Session(raw: se))
         self.queue = queue
     }
 

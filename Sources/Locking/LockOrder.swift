@@ -36,7 +36,7 @@ public enum LockOrder {
 
     private static let key: pthread_key_t = {
         var key = pthread_key_t()
-        pthread_key_create(&key) { raw in Unmanaged<Held>.fromOpaque(raw).release() }
+        pthread_key_create(&key) { raw in if let raw { Unmanaged<Held>.fromOpaque(raw).release() } }
         return key
     }()
 
@@ -80,10 +80,15 @@ public enum LockOrder {
     /// The levels this thread holds (tests).
     public static var heldLevels: [LockLevel] { held.levels }
 
-    private static func inversion(taking level: LockLevel, holding: [LockLevel]) -> Never {
+    /// What an inversion does: by default, says so on stderr and ends the process; tests of the
+    /// check install a recorder. Set before any thread takes an ordered lock.
+    nonisolated(unsafe) public static var onInversion: (@Sendable (String) -> Void)? = nil
+
+    private static func inversion(taking level: LockLevel, holding: [LockLevel]) {
         let message = "storefs: lock order violated: taking \(level) while holding "
-            + holding.map(\.description).joined(separator: ", ") + " (docs/architecture.md, \"Threads and locks\")\n"
-        _ = message.withCString { write(2, $0, strlen($0)) }
+            + holding.map(\.description).joined(separator: ", ") + " (docs/architecture.md, \"Threads and locks\")"
+        if let onInversion { return onInversion(message) }
+        _ = (message + "\n").withCString { write(2, $0, strlen($0)) }
         fatalError(message)
     }
 }
@@ -109,25 +114,25 @@ public struct OrderedMutex<Value: ~Copyable>: ~Copyable, Sendable {
 
 /// An `NSLock` with its place in the lock order.
 public final class OrderedLock: @unchecked Sendable {
-    private let lock = NSLock()
+    private let mutex = NSLock()
     public let level: LockLevel
 
     public init(_ level: LockLevel) { self.level = level }
 
     public func lock() {
         LockOrder.willTake(level)
-        lock.lock()
+        mutex.lock()
     }
 
     /// Takes the lock if it is free; true if taken (then `unlock` it).
     public func `try`() -> Bool {
-        guard lock.try() else { return false }
+        guard mutex.try() else { return false }
         LockOrder.took(level)
         return true
     }
 
     public func unlock() {
-        lock.unlock()
+        mutex.unlock()
         LockOrder.released(level)
     }
 
@@ -165,4 +170,65 @@ public final class OrderedCondition: @unchecked Sendable {
     public func signal() { condition.signal() }
 
     public func broadcast() { condition.broadcast() }
+}
+
+/// The one lock order, first (outermost) to last, as docs/architecture.md ("Threads and
+/// locks") states it. Each lock's declaration says what it guards; a lock may be taken only
+/// while every lock held comes earlier here.
+extension LockLevel {
+    // Held across network I/O, each for the reason given where it is declared.
+    public static let credentialRefresh = LockLevel(10, "RefreshingCredentials.refreshing")
+    // The read path's decision on a completing download: held across cache writes (disk), and
+    // across the re-download after a crc32c mismatch (network).
+    public static let integrityDecision = LockLevel(20, "ObjectIntegrity.decision")
+
+    // The read path's bookkeeping (no I/O under any of them).
+    public static let flightTables = LockLevel(100, "BlockReader.tables")
+    public static let flightEntries = LockLevel(102, "FlightTable.entries")
+    public static let integrityUnstored = LockLevel(104, "ObjectIntegrity.unstored")
+    public static let integrityCheckEnded = LockLevel(106, "ObjectIntegrity.checkEnded")
+    public static let flight = LockLevel(108, "Flight.condition")
+    public static let streamParkedClaim = LockLevel(110, "Stream.parkedClaim")
+    public static let streamDetector = LockLevel(112, "Stream.detector")
+    public static let streamLastRead = LockLevel(114, "Stream.lastRead")
+    public static let transfers = LockLevel(116, "TransferController.state")
+    public static let connectionsQueued = LockLevel(118, "BlockReader.connectionsQueued")
+    public static let firstBytesTable = LockLevel(120, "FirstBytesTable.entries")
+    public static let firstBytesEntry = LockLevel(122, "FirstBytesTable.Entry.outcome")
+    public static let flightFailure = LockLevel(124, "FlightTable.lastFailure")
+    public static let memoryBudget = LockLevel(130, "MemoryBudget.condition")
+    public static let flightBuffers = LockLevel(132, "FlightBufferPool.lock")
+    public static let bucketHealth = LockLevel(134, "BucketHealth.state")
+    public static let signedURLs = LockLevel(136, "DownloadURL.signed")
+    public static let parallelMap = LockLevel(138, "ParallelMap slots")
+
+    // The storage client.
+    public static let credentialsCurrent = LockLevel(140, "RefreshingCredentials.current")
+    public static let credentialsLastForced = LockLevel(142, "RefreshingCredentials.lastForced")
+    public static let tokenFile = LockLevel(144, "TokenFileCredentials.cache")
+    public static let refreshToken = LockLevel(146, "RefreshTokenBox.lock")
+    public static let httpTrust = LockLevel(148, "HTTPClient.trust")
+    public static let httpPool = LockLevel(150, "HTTPClient.pool")
+    public static let httpLoopback = LockLevel(152, "HTTPClient.loopbackOrigins")
+    public static let connectionClaim = LockLevel(154, "ConnectionClaim.lock")
+
+    // The FUSE adapter.
+    public static let fuseSession = LockLevel(160, "FuseContext.session")
+    public static let queuedRequests = LockLevel(162, "QueuedRequests.waiting")
+    public static let replyBuffers = LockLevel(164, "BufferPool.free")
+    public static let notifierSession = LockLevel(166, "KernelNotifier.session")
+    public static let prefetchProgress = LockLevel(168, "storefs prefetch's progress")
+
+    // Threads: a job may be submitted under any lock above.
+    public static let workerPoolWake = LockLevel(170, "WorkerPool.wake")
+    public static let workerPoolState = LockLevel(172, "WorkerPool.state")
+    public static let waitGroup = LockLevel(174, "WaitGroup.condition")
+
+    // Telemetry, last: counted and logged under anything.
+    public static let memoryReturn = LockLevel(180, "MemoryReturn.pools")
+    public static let metricsServer = LockLevel(182, "MetricsServer.listener")
+    public static let metricsFuse = LockLevel(184, "Metrics.fuse")
+    public static let metricsHTTP = LockLevel(185, "Metrics.http")
+    public static let metricsCache = LockLevel(186, "Metrics.cache")
+    public static let log = LockLevel(190, "Log.state")
 }

@@ -2,6 +2,7 @@ internal import CProcess
 import Glibc
 import Foundation
 import Synchronization
+import Locking
 
 /// Makes memory that a burst of reads took go back to the system afterwards.
 ///
@@ -19,7 +20,7 @@ public enum MemoryReturn {
         pools.withLock { $0.append(release) }
     }
 
-    private static let pools = Mutex<[@Sendable (Double) -> Void]>([])
+    private static let pools = OrderedMutex<[@Sendable (Double) -> Void]>(.memoryReturn, [])
 
     /// Starts the trimming thread (after daemonizing: fork keeps only the calling thread):
     /// every `seconds`, pools unused for that long let their buffers go, then malloc trims.

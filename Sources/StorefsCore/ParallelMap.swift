@@ -1,4 +1,5 @@
 import Foundation
+import Locking
 
 /// Runs a blocking function over many inputs, at most `width` at a time, on threads of our
 /// own (never Swift's two-thread cooperative pool): for the per-item metadata GETs of a v0 listing.
@@ -22,7 +23,7 @@ enum ParallelMap {
     }
 
     private final class IndexBox: @unchecked Sendable {
-        private let lock = NSLock()
+        private let lock = OrderedLock(.parallelMap)
         private var next = 0
         private let count: Int
         init(count: Int) { self.count = count }
@@ -36,7 +37,7 @@ enum ParallelMap {
     }
 
     private final class ResultSlots<R>: @unchecked Sendable {
-        private let lock = NSLock()
+        private let lock = OrderedLock(.parallelMap)
         private var slots: [R?]
         init(count: Int) { slots = Array(repeating: nil, count: count) }
         func set(_ i: Int, _ v: R) { lock.lock(); slots[i] = v; lock.unlock() }

@@ -1,10 +1,11 @@
 import Foundation
+import Locking
 
 /// A count of work under way that a thread can wait to see reach zero (replies owed at
 /// shutdown, jobs of a pool being drained): woken when it does, never polled.
 public final class WaitGroup: @unchecked Sendable {
     /// Guards `count`. A leaf lock: nothing else is taken under it.
-    private let condition = NSCondition()
+    private let condition = OrderedCondition(.waitGroup)
     private var count = 0
 
     public init() {}

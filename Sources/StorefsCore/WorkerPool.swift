@@ -1,5 +1,6 @@
 import Foundation
 import Synchronization
+import Locking
 
 /// Threads that run blocking work (HTTP transfers, disk reads) so that neither FUSE's threads
 /// nor Swift's two-thread cooperative pool ever wait on the network.
@@ -28,8 +29,8 @@ public final class WorkerPool: Sendable {
 
     /// The jobs, the threads and the stopping flag. A leaf lock: jobs run, and threads start,
     /// outside it.
-    private let state: Mutex<State>
-    private let wake = NSCondition()
+    private let state: OrderedMutex<State>
+    private let wake = OrderedCondition(.workerPoolWake)
     /// Jobs submitted and not yet finished (`drain` waits for none).
     private let pending = WaitGroup()
     private let name: String
@@ -45,7 +46,7 @@ public final class WorkerPool: Sendable {
         self.name = name
         self.maxThreads = max(threads, maxThreads ?? threads)
         self.idleSeconds = idleSeconds
-        state = Mutex(State(floor: max(1, threads)))
+        state = OrderedMutex(.workerPoolState, State(floor: max(1, threads)))
     }
 
     /// Raises the threads kept to `threads` (started at once if the pool has started): a pool

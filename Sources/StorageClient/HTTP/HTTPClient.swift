@@ -1,6 +1,7 @@
 internal import CCurl
 import Foundation
 import Synchronization
+import Locking
 
 /// A finished HTTP exchange. Header names are lower-cased; repeated headers are comma-joined.
 public struct HTTPResponse: Sendable {
@@ -58,17 +59,17 @@ public final class HTTPClient: Sendable {
     private struct Handles: ~Copyable { var idle: [CurlEasyBox] = [] }
     private struct CurlEasyBox: @unchecked Sendable { let easy: CurlEasy }
 
-    private let pool = Mutex(Handles())
+    private let pool = OrderedMutex(.httpPool, Handles())
     /// Handles out of the pool, running a request.
     private let busy = Atomic<Int>(0)
     /// `scheme://authority` of each origin asked about, and whether it is this machine.
-    private let loopbackOrigins = Mutex([(origin: [UInt8], isLoopback: Bool)]())
+    private let loopbackOrigins = OrderedMutex(.httpLoopback, [(origin: [UInt8], isLoopback: Bool)]())
     private let timeouts: Timeouts
     private let userAgent: String
     private let httpVersion: HTTPVersion
     /// The certificates https is verified against: given at init, or the system store loaded
     /// at the first https request (`TrustStore`). Set once, then only read.
-    private let trust: Mutex<TrustStore?>
+    private let trust: OrderedMutex<TrustStore?>
     /// TLS sessions and DNS answers shared by every handle, so a new connection resumes the
     /// TLS session of an earlier one (an abbreviated handshake) instead of a full one.
     private let share: ShareBox
@@ -79,7 +80,7 @@ public final class HTTPClient: Sendable {
         self.timeouts = timeouts
         self.userAgent = userAgent
         self.httpVersion = httpVersion
-        self.trust = Mutex(trust)
+        self.trust = OrderedMutex(.httpTrust, trust)
         CurlGlobal.ensureInitialised()
         self.share = ShareBox()
     }
@@ -425,7 +426,7 @@ final class ShareBox: @unchecked Sendable {
 /// lookup's own probes, sent after it, open new ones (docs/architecture.md, "Lookups in one
 /// round trip"). A claim nobody used goes back to the pool when it is let go.
 public final class ConnectionClaim: @unchecked Sendable {
-    private let lock = NSLock()
+    private let lock = OrderedLock(.connectionClaim)
     private var easy: CurlEasy?
     private let client: HTTPClient
 

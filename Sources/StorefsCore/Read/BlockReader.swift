@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// The read path below a file handle, one file per step (docs/architecture.md, "The data path"):
 ///
@@ -85,12 +86,12 @@ public final class BlockReader: Sendable {
     /// retry waits at once); finished downloads still get their cache copy.
     let stopping = Atomic<Bool>(false)
     /// The downloads in flight (or finished and not yet read), per object generation.
-    let tables = Mutex([ObjectKey: (table: FlightTable, streams: Int)]())
+    let tables = OrderedMutex(.flightTables, [ObjectKey: (table: FlightTable, streams: Int)]())
     /// The daemon's threads (`WorkerPools`): read-ahead runs on `prefetch`, connections are
     /// opened ahead on `connect`, first bytes are asked on `probe`.
     let pools: WorkerPools
     /// Openings of connections ahead queued and not yet under way (`openConnectionsAhead`).
-    let connectionsQueued = Mutex(0)
+    let connectionsQueued = OrderedMutex(.connectionsQueued, 0)
     /// First bytes asked for beside lookups, for the first read of the file to take.
     let firstBytes = FirstBytesTable()
 

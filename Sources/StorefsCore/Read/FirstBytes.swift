@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// The first bytes of objects, fetched beside their lookup before their generation is known,
 /// until the first read of that generation takes them (docs/architecture.md, "Lookups in one
@@ -26,7 +27,7 @@ final class FirstBytesTable: Sendable {
 
     final class Entry: Sendable {
         let asked: Double
-        private let outcome = Mutex<Landed??>(nil)
+        private let outcome = OrderedMutex<Landed??>(.firstBytesEntry, nil)
         private let group = DispatchGroup()
 
         init(asked: Double) {
@@ -51,7 +52,7 @@ final class FirstBytesTable: Sendable {
         }
     }
 
-    private let entries = Mutex([ByteName: Entry]())
+    private let entries = OrderedMutex(.firstBytesTable, [ByteName: Entry]())
     private let count = Atomic<Int>(0)
 
     /// A new entry for `name`, or nil when one is already there or the table is full.

@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import StorageClient
+import Locking
 
 /// One ranged download of consecutive blocks, shared by every reader that needs any of them
 /// (single flight). Readers wait on it and copy from its buffer, so a download serves its
@@ -21,7 +22,7 @@ final class Flight: @unchecked Sendable {
     /// behind busy threads holds budget but no memory. Readers use it only after `finish`.
     private(set) var buffer = UnsafeMutableRawBufferPointer(start: nil, count: 0)
     private let budget: MemoryBudget
-    private let condition = NSCondition()
+    private let condition = OrderedCondition(.flight)
     private var outcome: Result<Void, StorageError>?
     private var consumed = false
     private var stored = false
@@ -153,7 +154,7 @@ final class FlightBufferPool: @unchecked Sendable {
     /// holds resident, not as what its current part asked.
     private var touched: [UnsafeMutableRawPointer: Int] = [:]
     private var lastUse = 0.0
-    private let lock = NSLock()
+    private let lock = OrderedLock(.flightBuffers)
 
     init(regionSize: Int, keepBytes: Int) {
         self.regionSize = (regionSize + 4095) / 4096 * 4096

@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// The flights of one object generation. A flight covers a run of blocks; a block's flight is
 /// the latest registered one that covers it.
@@ -25,7 +26,7 @@ final class FlightTable: Sendable {
         mutating func remove(_ flight: Flight) { flights.removeAll { $0 === flight } }
     }
 
-    private let entries = Mutex(Entries())
+    private let entries = OrderedMutex(.flightEntries, Entries())
     /// The object's end-to-end check: which download completes it, and the downloads whose
     /// cache copy is not made yet (kept apart from `entries`, which lets finished flights go).
     let integrity = ObjectIntegrity()
@@ -75,7 +76,7 @@ final class FlightTable: Sendable {
     /// bucket answered other requests, so a `read` took twice the bound (test_faults.py,
     /// trickling media). A read a second later tries afresh.
     static let failureMemory = 1.0
-    private let lastFailure = Mutex<(blocks: ClosedRange<Int>, error: StorageError, at: Double)?>(nil)
+    private let lastFailure = OrderedMutex<(blocks: ClosedRange<Int>, error: StorageError, at: Double)?>(.flightFailure, nil)
 
     func noteFailure(_ flight: Flight, _ error: StorageError) {
         lastFailure.withLock { $0 = (flight.firstBlock...flight.lastBlock, error, now()) }

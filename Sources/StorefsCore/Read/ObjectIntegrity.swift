@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// The end-to-end check of one object generation's cached copy (docs/integrity.md): the one
 /// place that decides which download completes the object and checks it against the object's
@@ -40,13 +41,13 @@ final class ObjectIntegrity: Sendable {
     /// the object, whose bytes may be as wrong, completes it meanwhile. A correct server never
     /// causes a mismatch; this costs the object's other downloads a wait, never a wrong byte
     /// (docs/architecture.md, "Threads and locks").
-    private let decision = NSLock()
+    private let decision = OrderedLock(.integrityDecision)
     /// Downloads that finished without completing their object, until their cache copy is made
     /// (rule 4). A leaf lock.
-    private let unstored = Mutex<[Flight]>([])
+    private let unstored = OrderedMutex<[Flight]>(.integrityUnstored, [])
     /// Signalled when a full check ends (rule 5): readers that overlapped it wait on it. Taken
     /// under `decision` by the check, alone by readers; nothing is taken under it.
-    private let checkEnded = NSCondition()
+    private let checkEnded = OrderedCondition(.integrityCheckEnded)
 
     /// What deciding on a landed download did.
     enum Landing {

@@ -1,5 +1,6 @@
 import StorageClient
 import Synchronization
+import Locking
 
 extension BlockReader {
     /// Per-open-file state: the generation's cache entry, its flights and the sequential detector.
@@ -8,21 +9,21 @@ extension BlockReader {
         let cached: CachedObject?
         let flights: FlightTable
         /// The sequential streams read through this file (a leaf lock).
-        let detector: Mutex<ReadStreams>
+        let detector: OrderedMutex<ReadStreams>
         /// The object's `servedWrongEpoch` when this file was opened.
         let openedEpoch: Int
         /// A warm connection set aside for the download of a read that missed, before that
         /// read let read-ahead go: taken by the read's own download on a worker.
-        let parkedClaim = Mutex<ConnectionClaim?>(nil)
+        let parkedClaim = OrderedMutex<ConnectionClaim?>(.streamParkedClaim, nil)
         /// The read noted last (offset, count): a miss is asked again on a thread that may wait,
         /// and is noted for read-ahead once.
-        private let lastRead = Mutex<(offset: Int64, count: Int)?>(nil)
+        private let lastRead = OrderedMutex<(offset: Int64, count: Int)?>(.streamLastRead, nil)
 
         init(meta: ObjectMetadata, cached: CachedObject?, flights: FlightTable, detector: ReadStreams) {
             self.meta = meta
             self.cached = cached
             self.flights = flights
-            self.detector = Mutex(detector)
+            self.detector = OrderedMutex(.streamDetector, detector)
             openedEpoch = cached?.servedWrongEpoch ?? 0
         }
 

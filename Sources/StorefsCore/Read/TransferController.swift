@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// How many read-ahead parts may download at once, and how large they are, found from the
 /// link itself (docs/architecture.md, "Adaptive transfers").
@@ -330,7 +331,7 @@ final class TransferController: Sendable {
         var queue = PartQueue<ReaderID, Job>()
     }
 
-    private let state: Mutex<State>
+    private let state: OrderedMutex<State>
     let limits: TransferPlan.Limits
     /// The store's fastest answer yet (`ObjectStore.fastestFirstByte`).
     private let fastestAnswer: @Sendable () -> Double?
@@ -338,7 +339,7 @@ final class TransferController: Sendable {
     init(limits: TransferPlan.Limits, fastestAnswer: @escaping @Sendable () -> Double? = { nil }) {
         self.limits = limits
         self.fastestAnswer = fastestAnswer
-        state = Mutex(State(plan: TransferPlan(limits: limits, now: monotonicNow())))
+        state = OrderedMutex(.transfers, State(plan: TransferPlan(limits: limits, now: monotonicNow())))
     }
 
     /// Parts allowed in flight now.

@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// Cumulative buckets of a latency histogram, Prometheus-style: `counts[i]` observations
 /// ≤ `bounds[i]` seconds (not cumulative in storage; cumulated when written out).
@@ -50,9 +51,9 @@ public final class Metrics: Sendable {
     }
 
     private let started = monotonicNow()
-    private let fuse = Mutex(Snapshot())
-    private let http = Mutex(Snapshot())
-    private let cache = Mutex(Snapshot())
+    private let fuse = OrderedMutex(.metricsFuse, Snapshot())
+    private let http = OrderedMutex(.metricsHTTP, Snapshot())
+    private let cache = OrderedMutex(.metricsCache, Snapshot())
 
     /// The operations the FUSE adapter answers, in its order (its `FuseOp`): named once, at
     /// start, and counted by index from then on.
