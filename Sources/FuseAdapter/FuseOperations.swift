@@ -243,12 +243,12 @@ func makeOperations() -> fuse_lowlevel_ops {
         withMetadata(req, OpTrace(.opendir, inode: UInt64(ino))) { network, req in
             // Answered as soon as readdir can start (after a listing's first page); this
             // worker then fetches the rest of the listing for the handle.
-            try fs.openDirectory(UInt64(ino), network: network) { handle in
-                var info = copy.info
-                info.fh = handle
-                info.cache_readdir = 0
-                _ = fuse_reply_open(req, &info)
-            }
+            let opened: OpenedDirectory = try fs.openDirectory(UInt64(ino), network: network)
+            var info = copy.info
+            info.fh = opened.handle
+            info.cache_readdir = 0
+            _ = fuse_reply_open(req, &info)
+            opened.finishListing()
         }
     }
 

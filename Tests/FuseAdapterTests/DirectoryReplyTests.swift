@@ -32,7 +32,7 @@ import StorageClient
         for i in 0..<10 { store.names.append("d/f\(i)") }
         let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"), config: .init(statTTL: 60, listTTL: 60))
         let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
-        let h = try fs.openDirectory(d.inode)
+        let h = try fs.openListedDirectory(d.inode)
         let entries = try fs.readDirectory(h, from: 0)
         // As the readdirplus op does: how many fit, then one batch of lookups for those.
         let fit = DirectoryReply.fitting(entries.map { _ in 48 }, into: 5 * 48 + 47)
