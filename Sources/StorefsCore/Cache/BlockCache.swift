@@ -3,10 +3,13 @@ import Glibc
 import StorageClient
 import Synchronization
 
-// The block cache: this file holds the cache directory as a whole (its locks, the owner
-// record, recovery after `rm -rf`, the cap and LRU eviction, the start-up scan);
+// The block cache: this file holds the cache directory as a whole (its locks, joining the
+// mounts that share it, recovery after `rm -rf`, opening and creating objects);
+// `BlockCache+Eviction.swift` the cap and LRU eviction, `BlockCache+Loading.swift` the
+// start-up scan; `SharedCache.swift` what the mounts of one directory share (docs/cache.md);
 // `CachedObject.swift` one object generation's file (reads, stores),
 // `CachedObject+IndexCommit.swift` its index writes (the group commit),
+// `CachedObject+Sharing.swift` what a mount learns from the indexes other mounts wrote,
 // `CachedObject+Allocation.swift` the allocation of its data ahead of direct writes,
 // `CachedObject+Eviction.swift` dropping its blocks, and
 // `CachedObject+Integrity.swift` the whole-object check's state (docs/integrity.md).
@@ -15,24 +18,32 @@ import Synchronization
 //
 //   1. BlockCache.creating          (NSLock)  one file creator, recovery or clear at a time
 //   2. CachedObject.writing         (NSLock)  one buffered store per file
-//   3. CachedObject.indexWriting    (NSLock)  one index write per file (the group commit)
-//   4. BlockCache.state             (Mutex)   objects, usedBytes, degradedUntil
-//   5. CachedObject.state           (Mutex)   the index in memory, descriptors, users
-//   6. BlockCache.directories       (Mutex)   the CacheDirectory and `v1/.lock`
-//   7. BlockCache.openFiles         (Mutex)   leaf: never held while an object's lock is taken
+//   3. BlockCache.evicting          (NSLock)  one evictor per mount, then, across mounts,
+//      + the evictor lock                     SharedCache byte 1 (an OFD lock, waited for)
+//   4. CachedObject.indexWriting    (NSLock)  one index write per file (the group commit)
+//   5. index page range locks       (OFD locks on the cache file, across mounts; waited for)
+//   6. BlockCache.state             (Mutex)   objects, the pause
+//   7. CachedObject.state           (Mutex)   the index in memory, descriptors, users
+//   8. BlockCache.directories       (Mutex)   the CacheDirectory and `v1/.lock`
+//   9. BlockCache.openFiles         (Mutex)   leaf: never held while an object's lock is taken
+//   -  SharedCache.agreed           (Mutex)   leaf: the cap the mounts agree on
 //   -  CacheWriter.room             (NSCondition) leaf: the write queue's backlog only
 //
-// Eviction (`reserve` → `evict`) runs with 1 or 2 held by the caller and takes 3 then 5 of
-// each victim in turn, never two objects' locks of one level at once. Atomics (the clock,
-// `lastUsed`, the check epochs) are not locks and may be read under any of these.
+// Eviction (`reserve` → `evict`) runs with 1 or 2 held by the caller, takes 3, and then 4, 5
+// and 7 of each victim in turn, never two objects' locks of one level at once. A cache file's
+// shared `flock` (held while a mount has it open, `CacheDirectory.openFile`) is taken under 6
+// and 7 and waits only for an exclusive holder, which holds nothing else of the cache while
+// it removes or trims the file. Atomics (the clock, `lastUsed`, the check epochs, the shared
+// counters) are not locks and may be read under any of these. Across mounts the only locks
+// waited for are 3's and 5's, and no mount waits for 3 while it holds 5.
 //
 // Held across disk I/O: 1 (creating a file: mkdirat, openat, pwrite, ftruncate, renameat;
 // clear's eviction), 2 (a buffered store's data and index writes, and eviction for its
-// room), 3 (index page writes, fallocate of the index; eviction's entry write and hole
-// punches), 4 only in `acquire` → `CachedObject.open` and eviction's removal of empty files
-// (openat/fstat/trim of a file's first open; unlinkat), 5 in `open`/`close` (the first
-// open's openat and `trimAllocation`; close's punches of unused allocation, futimens and
-// close) and 6 (writing `v1/.lock`; `CacheDirectory.openFile`'s openat under 5). None is
+// room), 3 (all of an eviction: reading indexes, entry writes, hole punches, unlinks), 4 and 5
+// (index page reads and writes, fallocate of the index; eviction's entry write and punches),
+// 6 only in eviction's removal of empty files (an exclusive flock, the index read, unlinkat),
+// 7 in `open`/`close` (the first open's openat and `trimAllocation`; close's punches of unused
+// allocation, futimens and close) and 8 (`CacheDirectory.openFile`'s openat under 7). None is
 // held across network I/O. Eviction's writes into a victim's file run outside its state lock
 // (`CachedObject.withAnyDescriptor` keeps the descriptor open meanwhile).
 
@@ -47,61 +58,72 @@ import Synchronization
 ///   streamed straight from the network.
 /// - It survives unmounts: at start-up the directory is scanned and every valid file is reused,
 ///   most recently used last in the eviction order.
+/// - Several storefs processes of one user may use one directory at once (docs/cache.md): they
+///   share its files, one count of its bytes and one cap (`SharedCache`).
 public final class BlockCache: Sendable {
     public let directory: String
-    public let capacity: Int64
+    /// This mount's `cache_size`; the cap it keeps to is `capacity`.
+    public let ownCapacity: Int64
     public let blockSize: Int
     /// Block data is written past the page cache where the filesystem allows (`DirectWrites`).
     public let directWrites: Bool
+    /// Who shares the directory, the bytes it holds, who changed which index.
+    let shared: SharedCache
     /// Every file operation under `directory` (verified descriptors, never followed links).
     /// Replaced when the version directory is deleted under the mount (`recoverIfRemoved`).
     var files: CacheDirectory { directories.withLock { $0.files } }
-    private struct Directories: ~Copyable {
+    struct Directories: ~Copyable {
         var files: CacheDirectory
-        /// `v1/.lock`, holding who has the cache (docs/operations.md, "Cache tools").
+        /// `v1/.lock`, which older storefs versions lock exclusively (docs/cache.md).
         var lockFD: Int32
-        var owner: String = ""
     }
-    /// Guards `files` (replaced by recovery) and `v1/.lock`'s descriptor and text. Level 6 of
-    /// the lock order; held across the lock file's writes and `CacheDirectory.openFile`.
-    private let directories: Mutex<Directories>
-    /// A descriptor of `cache_dir` itself, locked (flock) for the life of the process: the
-    /// lock is released when the process ends, and survives `rm -rf cache_dir/v1`.
+    /// Guards `files` (replaced by recovery) and `v1/.lock`'s descriptor. Level 8 of the lock
+    /// order; held across `CacheDirectory.openFile`'s openat.
+    let directories: Mutex<Directories>
+    /// A descriptor of `cache_dir` itself, locked (shared flock) for the life of the process:
+    /// `storefs cache clear` and older storefs versions take it exclusively, so neither runs
+    /// beside a mount. The lock is released when the process ends, and survives
+    /// `rm -rf cache_dir/v1`.
     private let topLock: Int32
 
-    private struct State: ~Copyable {
+    struct State: ~Copyable {
         var objects: [String: CachedObject] = [:]
-        var usedBytes: Int64 = 0
         var degradedUntil: Double = 0
     }
 
-    /// Guards the objects known, the bytes counted against the cap and the pause. Level 4;
-    /// taken under a store's `writing` (`tracks`), never while an object's `state` is held.
-    private let state = Mutex(State())
+    /// Guards the objects known and the pause. Level 6; taken under a store's `writing`
+    /// (`tracks`), never while an object's `state` is held. Held across disk I/O only while
+    /// eviction removes empty files.
+    let state = Mutex(State())
     /// Objects whose cache file is open now, and how many may be: other users of an
     /// `allow_other` mount choose how many files are open, so the open count does not decide
     /// the descriptor count. Past `maxOpenFiles`, the least recently used files that no
     /// operation is using let their descriptors go; they are opened again on their next use
-    /// (docs/security.md, "Local users on an allow_other mount"). Level 7, a leaf: never held
+    /// (docs/security.md, "Local users on an allow_other mount"). Level 9, a leaf: never held
     /// while an object's lock is taken, and no lock is taken under it.
     private let openFiles = Mutex([ObjectIdentifier: CachedObject]())
     let maxOpenFiles: Int
-    /// One creator of a cache file at a time (two first opens racing to rename onto one name),
-    /// and recovery and `clear` beside them. Level 1, the outermost; held across the file's
-    /// creation and clear's eviction (disk I/O).
-    private let creating = NSLock()
-    private let clock = Atomic<UInt64>(1)
+    /// One creator of a cache file at a time in this mount (two first opens of one object
+    /// make one file), and recovery and `clear` beside them. Level 1, the outermost; held
+    /// across the file's creation and clear's eviction (disk I/O). Creators in other mounts
+    /// are told apart by the file system (`CacheDirectory.createFile` never renames over a
+    /// file another made).
+    let creating = NSLock()
+    /// One eviction at a time in this mount (then the evictor lock across mounts). Level 3;
+    /// held across the whole eviction's disk I/O.
+    let evicting = NSLock()
     static let degradedSeconds = 30.0
 
-    /// Opens (creating with mode 0700) the cache directory and loads what earlier mounts left.
-    /// A directory another user could have made or changed is refused (CacheDirectory).
-    /// `maxOpenFiles` nil: an eighth of the open-file limit (each holds two descriptors), 16 to 4096.
+    /// Opens (creating with mode 0700) the cache directory, joins the mounts using it, and
+    /// loads what earlier mounts left. A directory another user could have made or changed is
+    /// refused (CacheDirectory). `maxOpenFiles` nil: an eighth of the open-file limit (each
+    /// holds two descriptors), 16 to 4096.
     public init(directory: String, capacity: Int64, blockSize: Int, directWrites: Bool = true,
                 maxOpenFiles: Int? = nil) throws(FilesystemError) {
         self.maxOpenFiles = maxOpenFiles ?? Self.defaultMaxOpenFiles()
         self.directory = directory
         self.directWrites = directWrites
-        self.capacity = capacity
+        self.ownCapacity = capacity
         self.blockSize = blockSize
         let files: CacheDirectory
         do throws(CacheDirectory.Refused) {
@@ -109,9 +131,9 @@ public final class BlockCache: Sendable {
         } catch {
             throw FilesystemError(.invalidArgument, error.message)
         }
-        // One process per cache: each enforces the cap on what it knows and cleans up at start.
+        // Shared with the other mounts; exclusive only for `cache clear` and older versions.
         topLock = dup(files.topFD)
-        guard topLock >= 0, flock(topLock, LOCK_EX | LOCK_NB) == 0 else {
+        guard topLock >= 0, flock(topLock, LOCK_SH | LOCK_NB) == 0 else {
             let busy = errno == EWOULDBLOCK
             let why = String(cString: strerror(errno))
             if topLock >= 0 { Glibc.close(topLock) }
@@ -125,6 +147,13 @@ public final class BlockCache: Sendable {
             Glibc.close(topLock)
             throw error
         }
+        do throws(SharedCache.Refused) {
+            shared = try SharedCache(cacheDirectory: directory, capacity: capacity, blockSize: blockSize)
+        } catch {
+            Glibc.close(lockFD)
+            Glibc.close(topLock)
+            throw FilesystemError(.invalidArgument, error.message)
+        }
         directories = Mutex(Directories(files: files, lockFD: lockFD))
         loadExisting()
     }
@@ -136,6 +165,13 @@ public final class BlockCache: Sendable {
         guard getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 128 }
         return max(16, min(4096, Int(min(limit.rlim_cur, 1 << 30)) / 8))
     }
+
+    /// The cap this mount keeps to: the smallest `cache_size` of the mounts sharing the
+    /// directory now (docs/cache.md, "One cap").
+    public var capacity: Int64 { shared.capacity }
+
+    /// Whether other mounts use (or used, since this one started) the directory.
+    public var isShared: Bool { shared.isShared }
 
     /// Cache files open now (tests).
     var openFileCount: Int { openFiles.withLock { $0.count } }
@@ -168,11 +204,14 @@ public final class BlockCache: Sendable {
         Log.info("cache_dir \(directory): the filesystem does not take direct writes (\(why)): cache data goes through the page cache")
     }
 
+    /// Mounts share a cache directory; only an older storefs (which keeps one to itself) or
+    /// `storefs cache clear` holds it exclusively.
     static func busyMessage(_ directory: String) -> String {
-        "cache_dir \(directory) is in use by another storefs process: give each mount its own cache_dir="
+        "cache_dir \(directory) is held by an older storefs version (which keeps a cache directory to itself) or is being cleared: unmount that one or wait for the clear, or give this mount another cache_dir="
     }
 
-    /// Opens and locks `v1/.lock` (which older storefs versions lock instead of `cache_dir`).
+    /// Opens and locks (shared) `v1/.lock`, which older storefs versions lock exclusively
+    /// instead of `cache_dir`.
     private static func lockVersionDirectory(_ files: CacheDirectory) throws(FilesystemError) -> Int32 {
         let fd: Int32
         do throws(CacheDirectory.Refused) {
@@ -180,7 +219,7 @@ public final class BlockCache: Sendable {
         } catch {
             throw FilesystemError(.invalidArgument, error.message)
         }
-        guard flock(fd, LOCK_EX | LOCK_NB) == 0 else {
+        guard flock(fd, LOCK_SH | LOCK_NB) == 0 else {
             let busy = errno == EWOULDBLOCK
             let why = String(cString: strerror(errno))
             Glibc.close(fd)
@@ -190,28 +229,16 @@ public final class BlockCache: Sendable {
         return fd
     }
 
-    /// Writes who holds the cache into `v1/.lock` (`storefs cache status` shows it): one JSON
-    /// object with the daemon's pid, mount point, capacity and block size.
+    /// Writes who this mount is into its slot file (`storefs cache status` lists the live
+    /// ones): one JSON object with the daemon's pid, mount point, cap and block size.
     public func recordOwner(mountpoint: String) {
-        let json = "{\"pid\":\(getpid()),\"mountpoint\":\(LogLine.jsonString(mountpoint)),\"capacity\":\(capacity),"
-            + "\"block_size\":\(blockSize),\"format\":\(CacheFileFormat.version)}\n"
-        directories.withLock { d in
-            d.owner = json
-            Self.writeOwner(json, to: d.lockFD)
-        }
-    }
-
-    private static func writeOwner(_ json: String, to fd: Int32) {
-        guard !json.isEmpty else { return }
-        let bytes = Array(json.utf8)
-        _ = ftruncate(fd, 0)
-        _ = bytes.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) }
+        shared.recordMount(mountpoint: mountpoint)
     }
 
     /// After `rm -rf cache_dir/v1` under the mount: makes the version directory again (with
     /// every check of the first time), locks it, and forgets the deleted files (readers of
-    /// an open one finish on it). The lock on `cache_dir` was never let go, so no second
-    /// mount could take the cache meanwhile. True if it was gone and is back.
+    /// an open one finish on it). The lock on `cache_dir` was never let go, so no older
+    /// storefs could take the cache meanwhile. True if it was gone and is back.
     @discardableResult
     public func recoverIfRemoved() -> Bool {
         guard files.isRemoved else { return false }
@@ -221,7 +248,7 @@ public final class BlockCache: Sendable {
     }
 
     /// `recoverIfRemoved` for a caller that holds `creating`.
-    private func recoverIfRemovedHoldingCreator() -> Bool {
+    func recoverIfRemovedHoldingCreator() -> Bool {
         guard files.isRemoved else { return false }
         let fresh: CacheDirectory
         let lockFD: Int32
@@ -240,13 +267,14 @@ public final class BlockCache: Sendable {
             Glibc.close(d.lockFD)
             d.files = fresh
             d.lockFD = lockFD
-            Self.writeOwner(d.owner, to: lockFD)
         }
         state.withLock { s in
             s.objects.removeAll()
-            s.usedBytes = 0
             s.degradedUntil = 0
         }
+        // What the deleted files held is gone: counted again from what the directory holds
+        // now (other mounts may have made files in it already).
+        recount()
         Log.warn("cache directory was deleted under the mount: made it again, empty", ["dir": fresh.versionPath])
         return true
     }
@@ -260,10 +288,18 @@ public final class BlockCache: Sendable {
     /// Whether `object` is still this cache's (not a file deleted with its directory).
     func tracks(_ object: CachedObject) -> Bool { state.withLock { $0.objects[object.hex] === object } }
 
-    func tick() -> UInt64 { clock.add(1, ordering: .relaxed).newValue }
+    /// The LRU clock: wall-clock nanoseconds, so that this mount's uses compare with other
+    /// mounts' (a cache file's mtime, docs/cache.md "Eviction").
+    func tick() -> UInt64 { Self.wallClock() }
 
-    /// Bytes the cache holds now (for tests and logs).
-    public var usedBytes: Int64 { state.withLock { $0.usedBytes } }
+    static func wallClock() -> UInt64 {
+        var ts = timespec()
+        clock_gettime(CLOCK_REALTIME, &ts)
+        return UInt64(max(0, ts.tv_sec)) * 1_000_000_000 + UInt64(max(0, ts.tv_nsec))
+    }
+
+    /// Bytes the cache holds now, as every mount of it counts them (for tests and logs).
+    public var usedBytes: Int64 { shared.used }
 
     /// The key hash of an object generation.
     static func keyHash(endpoint: String, bucket: String, name: String, generation: Int64) -> [UInt8] {
@@ -286,6 +322,8 @@ public final class BlockCache: Sendable {
     /// caching is off (degraded) and nothing is cached for it.
     func acquire(endpoint: String, meta: ObjectMetadata) -> CachedObject? {
         guard let object = acquireFile(endpoint: endpoint, meta: meta) else { return nil }
+        // Another mount may have stored blocks of it since this one last looked.
+        object.catchUp()
         // A complete object found on disk is checked end to end now (docs/integrity.md).
         _ = object.expect(crc32c: meta.crc32c.flatMap(Checksum.crc32c(base64:)))
         return object
@@ -294,38 +332,49 @@ public final class BlockCache: Sendable {
     private func acquireFile(endpoint: String, meta: ObjectMetadata) -> CachedObject? {
         let hash = Self.keyHash(endpoint: endpoint, bucket: meta.bucket, name: meta.name, generation: meta.generation)
         let hex = Self.hex(hash)
-        // Marked in use under the cache's lock: eviction removes only unused files, under it too.
-        let existing: CachedObject? = state.withLock { s in
-            guard let o = s.objects[hex], o.format.objectSize == meta.size, o.format.blockSize == blockSize else { return nil }
-            o.open()
-            return o
-        }
-        if let existing { return existing }
+        if let existing = useKnown(hex, size: meta.size) { return existing }
         if isDegraded { return nil }
         // One creator at a time: two first opens racing to rename a file onto the same name
         // would otherwise leave one of them writing into an unlinked file.
         creating.lock()
         defer { creating.unlock() }
-        let raced: CachedObject? = state.withLock { s in
-            guard let o = s.objects[hex], o.format.objectSize == meta.size, o.format.blockSize == blockSize else { return nil }
-            o.open()
-            return o
-        }
-        if let raced { return raced }
+        if let raced = useKnown(hex, size: meta.size) { return raced }
         let format = CacheFileFormat(blockSize: blockSize, objectSize: meta.size, generation: meta.generation, keyHash: hash)
         guard let created = create(format: format, hex: hex) else { return nil }
         state.withLock { s in
-            if let stale = s.objects[hex] { s.usedBytes -= stale.overheadBytes + stale.storedBytes }
             s.objects[hex] = created
-            s.usedBytes += created.overheadBytes
-            created.open()
+            created.addUser()
         }
+        created.prepare()
         return created
     }
 
+    /// The known object of `hex`, marked in use, if its file is still the one it knows: in a
+    /// shared cache another mount may have removed it (it was empty and nobody had it open)
+    /// and perhaps made it again; then it is forgotten here and opened or created afresh.
+    private func useKnown(_ hex: String, size: Int64) -> CachedObject? {
+        // Marked in use under the cache's lock: eviction removes only unused files, under it too.
+        let known: CachedObject? = state.withLock { s in
+            guard let o = s.objects[hex], o.format.objectSize == size, o.format.blockSize == blockSize else { return nil }
+            o.addUser()
+            return o
+        }
+        guard let known else { return nil }
+        if known.isOpen || !shared.isShared || files.identity(hex) == known.inode {
+            known.prepare()
+            return known
+        }
+        known.close()
+        state.withLock { s in
+            if s.objects[hex] === known { s.objects.removeValue(forKey: hex) }
+        }
+        return nil
+    }
+
     /// Empties the cache while mounted (`storefs cache clear --force`, through the daemon):
-    /// every block is evicted and every file nobody reads is removed. Returns the bytes it held
-    /// before and after (blocks being read or written may come back at once).
+    /// every block is evicted and every file nobody reads is removed, the other mounts' too.
+    /// Returns the bytes it held before and after (blocks being read or written may come
+    /// back at once).
     public func clear() -> (before: Int64, after: Int64) {
         recoverIfRemoved()
         let before = usedBytes
@@ -338,13 +387,17 @@ public final class BlockCache: Sendable {
     /// The on-disk format version (`cache_dir/v<N>`).
     public static var formatVersion: Int { Int(CacheFileFormat.version) }
 
-    /// Objects with a cache file.
+    /// Objects with a cache file that this mount knows.
     public var objectCount: Int { state.withLock { $0.objects.count } }
 
-    /// Bytes of one object generation held in the cache (`user.storefs.cached`).
+    /// Bytes of one object generation held in the cache (`user.storefs.cached`). In a shared
+    /// cache, what other mounts stored counts too.
     public func cachedBytes(endpoint: String, bucket: String, name: String, generation: Int64, size: Int64) -> Int64 {
         let hex = Self.hex(Self.keyHash(endpoint: endpoint, bucket: bucket, name: name, generation: generation))
-        guard let o = state.withLock({ $0.objects[hex] }), o.format.objectSize == size else { return 0 }
+        var object = state.withLock { $0.objects[hex] }
+        if object == nil, shared.isShared { object = adopt(hex) }
+        guard let o = object, o.format.objectSize == size else { return 0 }
+        o.catchUp()
         return o.presentBytes
     }
 
@@ -363,130 +416,39 @@ public final class BlockCache: Sendable {
         if first { Log.warn("block cache paused for \(Int(Self.degradedSeconds))s, reads stream uncached: \(why)") }
     }
 
-    /// Makes room for `bytes` more (evicting least recently used blocks); false if it cannot.
-    func reserve(_ bytes: Int64) -> Bool {
-        if bytes > capacity { return false }
-        let needsEviction = state.withLock { $0.usedBytes + bytes > capacity }
-        if needsEviction { evict(toMakeRoomFor: bytes) }
-        return state.withLock { s in
-            guard s.usedBytes + bytes <= capacity else { return false }
-            s.usedBytes += bytes
-            return true
-        }
-    }
-
-    /// Returns reserved bytes that were not used (a failed write, a block already present).
-    func unreserve(_ bytes: Int64) {
-        state.withLock { $0.usedBytes -= bytes }
-    }
-
-    /// Evicts least recently used blocks down to a low-water mark (`everything`: all blocks,
-    /// `storefs cache clear --force`); files left empty and unused go too.
-    private func evict(toMakeRoomFor bytes: Int64, everything: Bool = false) {
-        let lowWater = everything ? 0 : capacity - capacity / 10 - bytes
-        let objects = state.withLock { Array($0.objects.values) }
-        var candidates: [(tick: UInt64, object: CachedObject, block: Int)] = []
-        for o in objects { o.collectBlocks(into: &candidates) }
-        candidates.sort { $0.tick < $1.tick }
-        var freed: Int64 = 0
-        var blocks = 0
-        let over = everything ? Int64.max : state.withLock { $0.usedBytes } - max(0, lowWater)
-        for c in candidates where freed < over {
-            let f = c.object.evict(block: c.block)
-            freed += f
-            if f > 0 { blocks += 1 }
-        }
-        Metrics.shared.evicted(blocks: blocks, bytes: freed)
-        // Files with nothing left and nobody reading them go entirely.
-        var removed: Int64 = 0
-        state.withLock { s in
-            for o in objects where o.isEmptyAndUnused {
-                if s.objects[o.hex] === o {
-                    s.objects.removeValue(forKey: o.hex)
-                    files.removeFile(o.hex)
-                    removed += o.overheadBytes
-                }
-            }
-            s.usedBytes -= freed + removed
-        }
-        Log.debug("cache eviction freed=\(freed + removed) used=\(usedBytes) cap=\(capacity)")
+    /// The object of a file just made: its header and index pages count against the cap.
+    private func fresh(format: CacheFileFormat, hex: String) -> CachedObject {
+        let object = CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex),
+                                  index: BlockIndex(count: format.blockCount, tick: tick()), inode: files.identity(hex) ?? 0)
+        shared.add(object.overheadBytes)
+        return object
     }
 
     private func create(format: CacheFileFormat, hex: String) -> CachedObject? {
         var made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
-        if made.error != nil, !made.outOfDescriptors, recoverIfRemovedHoldingCreator() {
+        if case .failed(_, let full) = made, !full, recoverIfRemovedHoldingCreator() {
             made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
         }
-        if let why = made.error, made.outOfDescriptors {
+        switch made {
+        case .created:
+            return fresh(format: format, hex: hex)
+        case .exists:
+            // Another mount made it first: it is used as that mount left it, unless it is not
+            // a valid file for this object (then it is replaced, as nobody can be using it).
+            if let existing = adopt(hex, insert: false), existing.format == format { return existing }
+            if case .created = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize,
+                                                replace: true) {
+                return fresh(format: format, hex: hex)
+            }
+            return nil
+        case .failed(let why, outOfDescriptors: true):
             // One reader holding many files open must not pause the cache for everyone: this
             // object is read uncached, the others keep their cache (issue 43, item 3).
             Log.warn("cache: no file descriptor to spare, a file is read uncached", ["error": why])
             return nil
-        }
-        if let why = made.error {
+        case .failed(let why, outOfDescriptors: false):
             degrade(why)
             return nil
         }
-        return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex),
-                            index: BlockIndex(count: format.blockCount, tick: tick()))
-    }
-
-    /// Start-up scan: reuse valid files (oldest first in LRU order), delete anything else.
-    private func loadExisting() {
-        var found: [(mtime: Int, object: CachedObject)] = []
-        files.scan { hex, fd, mtime in
-            guard let object = load(fd: fd, hex: hex) else { return false }
-            found.append((mtime, object))
-            return true
-        }
-        found.sort { $0.mtime < $1.mtime }
-        var used: Int64 = 0
-        state.withLock { s in
-            for (_, o) in found {
-                o.setTicks(tick())
-                s.objects[o.hex] = o
-                used += o.overheadBytes + o.storedBytes
-            }
-            s.usedBytes = used
-        }
-        if used > capacity { evict(toMakeRoomFor: 0) }
-        Log.debug("cache loaded objects=\(found.count) bytes=\(used) dir=\(directory)")
-    }
-
-    /// The cached object in an open cache file, or nil when the file is not a valid one.
-    private func load(fd: Int32, hex: String) -> CachedObject? {
-        var st = stat()
-        guard fstat(fd, &st) == 0 else { return nil }
-        var header = [UInt8](repeating: 0, count: CacheFileFormat.headerSize)
-        guard header.withUnsafeMutableBytes({ pread(fd, $0.baseAddress, $0.count, 0) }) == header.count,
-              let format = CacheFileFormat.decodeHeader(header), format.blockSize == blockSize,
-              BlockCache.hex(format.keyHash) == hex,
-              Int64(st.st_size) == format.dataOffset + format.objectSize else { return nil }
-        // The on-disk index is read in chunks and only present blocks are kept: a huge object's
-        // index (8 bytes a block, mostly holes) never sits in memory whole.
-        var index = BlockIndex(count: format.blockCount)
-        let perChunk = 1 << 17
-        var first = 0
-        let indexEnd = format.entryOffset(format.blockCount)
-        while first < format.blockCount {
-            // Holes in the index (never-written pages) are skipped: loading costs what is cached.
-            let data = lseek(fd, off_t(format.entryOffset(first)), 3)  // SEEK_DATA (Linux; not in Glibc's Swift module)
-            if data < 0 || Int64(data) >= indexEnd { break }
-            let firstWithData = max(first, Int((Int64(data) - Int64(CacheFileFormat.headerSize)) / Int64(CacheFileFormat.entrySize)))
-            if firstWithData > first {
-                first = firstWithData
-                continue
-            }
-            let n = min(perChunk, format.blockCount - first)
-            var raw = [UInt8](repeating: 0, count: n * CacheFileFormat.entrySize)
-            let at = off_t(format.entryOffset(first))
-            guard raw.withUnsafeMutableBytes({ pread(fd, $0.baseAddress, $0.count, at) }) == raw.count else { return nil }
-            for (i, e) in CacheFileFormat.decodeEntries(raw, count: n).enumerated()
-            where e.length != 0 && Int(e.length) == format.blockLength(first + i) {
-                index.set(first + i, e, tick: 0)
-            }
-            first += n
-        }
-        return CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex), index: index)
     }
 }

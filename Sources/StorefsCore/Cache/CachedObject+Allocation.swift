@@ -4,8 +4,10 @@ import Synchronization
 
 /// Allocating a cache file's data ahead of direct writes into it (so each is an overwrite,
 /// which ext4 runs beside the file's other writers), and letting go of what was allocated and
-/// never written: at close (`punchAbsent`) and after a killed daemon (`trimAllocation`).
-/// docs/architecture.md, "Cache writes".
+/// never written: at close (`letAllocationGo`) and after a killed daemon (`trimAllocation`).
+/// docs/architecture.md, "Cache writes". In a shared cache what is punched is decided only
+/// while no other mount has the file open (they may be writing into it) and by its index on
+/// disk (docs/cache.md, "Allocation").
 extension CachedObject {
     /// Read-ahead's data is allocated this much at a time: allocating takes the file's inode
     /// lock exclusively and waits for every direct write under way, so one `fallocate` per run
@@ -13,9 +15,10 @@ extension CachedObject {
     /// writes"). What a chunk holds beyond the blocks written is disk the cap does not count,
     /// so a chunk is at most 1/64 of the cap, none below 4 MiB (then each run allocates its
     /// own range), an allocation (with the chunks taken ahead) at most 1/64 of the cap too,
-    /// and the rest of a file's chunks is let go when its last user closes it.
+    /// and the rest of a file's chunks is let go when its last user closes it. The cap here is
+    /// this mount's own `cache_size` (fixed for its life: a chunk's blocks stay those blocks).
     private var allocationChunk: Int64 {
-        let chunk = min(16 << 20, cache.capacity / 64) / Int64(format.blockSize) * Int64(format.blockSize)
+        let chunk = min(16 << 20, cache.ownCapacity / 64) / Int64(format.blockSize) * Int64(format.blockSize)
         return chunk >= 4 << 20 ? chunk : 0
     }
 
@@ -23,7 +26,7 @@ extension CachedObject {
     /// 128 MiB and 1/64 of the cap (`allocate`).
     private var allocationRunChunks: Int {
         let chunk = allocationChunk
-        return chunk > 0 ? max(1, Int(min(128 << 20, cache.capacity / 64) / chunk)) : 1
+        return chunk > 0 ? max(1, Int(min(128 << 20, cache.ownCapacity / 64) / chunk)) : 1
     }
 
     /// The blocks of allocation chunk `c`.
@@ -48,23 +51,41 @@ extension CachedObject {
         }
     }
 
-    /// A file that holds more disk than its blocks and index (chunks allocated ahead by a
-    /// daemon killed before it closed the file) lets the rest go, the first time a mount opens it.
-    func trimAllocation(_ s: inout State) {
+    /// The last user closes the file (under the state lock, the file open): what the chunks
+    /// this mount allocated ahead hold beyond the blocks written goes. In a shared cache only
+    /// if no other mount has the file open, and then everything beyond the blocks the disk's
+    /// index holds (other mounts' chunks and a killed mount's too, `trimAllocation`).
+    func letAllocationGo(_ s: inout State) {
+        guard !s.allocatedChunks.isEmpty else { return }
+        guard cache.shared.isShared else {
+            for c in s.allocatedChunks { punchAbsent(&s, in: chunkBlocks(c)) }
+            return
+        }
+        guard CacheDirectory.tryAlone(s.fd) else { return }
+        defer { CacheDirectory.share(s.fd) }
+        guard let disk = Self.readIndex(fd: s.fd, format: format) else { return }
+        trimAllocation(fd: s.fd, index: disk)
+    }
+
+    /// A file that holds more disk than the blocks of `index` and its own index (chunks
+    /// allocated ahead by a daemon killed before it closed the file, data written by one killed
+    /// before its index entry) lets the rest go. Called when no other mount has the file open
+    /// (the first time a mount opens it, `prepare`; the last close, `letAllocationGo`).
+    func trimAllocation(fd: Int32, index: BlockIndex) {
         var st = stat()
-        guard fstat(s.fd, &st) == 0 else { return }
+        guard fstat(fd, &st) == 0 else { return }
         var stored: Int64 = 0
-        s.index.forEachPresent { _, e, _ in stored += Self.diskBytes(Int(e.length)) }
+        index.forEachPresent { _, e, _ in stored += Self.diskBytes(Int(e.length)) }
         guard Int64(st.st_blocks) * 512 > overheadBytes + stored + (1 << 20) else { return }
         var present: [Int] = []
-        s.index.forEachPresent { b, _, _ in present.append(b) }
+        index.forEachPresent { b, _, _ in present.append(b) }
         present.sort()
         var next = 0
         for b in present + [format.blockCount] {
             if b > next {
                 let from = Int64(next) * Int64(format.blockSize)
                 let to = min(format.objectSize, Int64(b) * Int64(format.blockSize))
-                _ = SparseFile.punchHole(s.fd, offset: format.dataOffset + from, length: to - from)
+                _ = SparseFile.punchHole(fd, offset: format.dataOffset + from, length: to - from)
             }
             next = b + 1
         }

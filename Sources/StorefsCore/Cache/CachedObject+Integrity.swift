@@ -70,6 +70,8 @@ extension CachedObject {
     /// If every block is present and not yet verified: combines and compares (a mismatch drops
     /// every block). The block reader calls it under its object's check lock.
     func checkIfComplete() -> Completion {
+        // Another mount may hold the blocks this one misses.
+        if cache.shared.isShared { lookForMissingBlocks() }
         // Copied out under the lock, combined outside it (a large object has many blocks).
         let snapshot = state.withLock { s -> (crcs: [UInt32], expected: UInt32)? in
             guard let expected = s.expected, !s.verified, let crcs = s.index.allCRCs() else { return nil }

@@ -14,6 +14,11 @@ final class CachedObject: Sendable {
     let hex: String
     let path: String
     unowned let cache: BlockCache
+    /// The file's inode number: in a shared cache another mount may remove the file (empty and
+    /// unused) and make it again; this object is the one of this inode only.
+    let inode: ino_t
+    /// The file's bucket among the shared counters of index writes (`SharedCache`).
+    let bucket: Int
 
     struct State: ~Copyable {
         var index: BlockIndex
@@ -47,6 +52,18 @@ final class CachedObject: Sendable {
         /// The file's allocation was checked against its blocks since this mount opened it
         /// (`trimAllocation`).
         var allocationChecked = false
+        /// Entries set in memory and not yet written to the index on disk: what this mount
+        /// adds when an index page is merged with the disk's in a shared cache
+        /// (`writeEntryPages`), and what it keeps when it takes in what other mounts wrote.
+        var pending: [Int: CacheFileFormat.Entry] = [:]
+        /// Blocks dropped here (not through `pending`) since the object was made: a look at
+        /// the disk's index that began before a drop does not bring the block back.
+        var drops: UInt64 = 0
+        /// Other mounts' index writes of this file's bucket when the whole index was last read
+        /// (`catchUp`), and when the pages in `lookedAt` were (`lookOnDisk`).
+        var caughtUpAt: Int64 = 0
+        var lookedAtForeign: Int64 = 0
+        var lookedAt = Set<Int>()
     }
 
     /// What storing blocks did to the object as a whole (docs/integrity.md).
@@ -94,11 +111,13 @@ final class CachedObject: Sendable {
     let indexWriting = NSLock()
     let indexWriteCount = Atomic<Int>(0)
 
-    init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex) {
+    init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex, inode: ino_t) {
         self.cache = cache
         self.format = format
         self.hex = hex
         self.path = path
+        self.inode = inode
+        bucket = SharedCache.bucket(hex)
         state = Mutex(State(index: index))
     }
 
@@ -129,29 +148,57 @@ final class CachedObject: Sendable {
 
     var isEmptyAndUnused: Bool { state.withLock { s in s.users == 0 && s.index.present == 0 } }
 
+    /// Nobody holds the object and no operation uses its descriptors.
+    var isUnused: Bool { state.withLock { s in s.users == 0 && s.active == 0 } }
+
+    /// Its file is open now (then no other mount can remove it: `CacheDirectory.openFile`).
+    var isOpen: Bool { state.withLock { $0.fd >= 0 } }
+
     func setTicks(_ t: UInt64) { state.withLock { $0.index.setAllTicks(t) } }
 
     /// A user (an open file handle, a cache copy being written) holds the object. The file is
     /// opened here the first time in this mount (to trim what a killed daemon left allocated,
     /// `trimAllocation`), otherwise at its next use (`withFile`).
     func open() {
-        let opened = state.withLock { s -> Bool in
-            s.users += 1
+        addUser()
+        prepare()
+    }
+
+    /// `open`'s first half: one more user (under the cache's lock, where eviction decides
+    /// which files nobody uses).
+    func addUser() { state.withLock { $0.users += 1 } }
+
+    /// `open`'s second half, once per mount: the file is opened, and if no other mount has it
+    /// open, what a killed mount left allocated beyond its blocks goes (`trimAllocation`, by
+    /// the index on disk in a shared cache, as other mounts may have stored blocks since).
+    func prepare() {
+        let first = state.withLock { s -> Bool in
             guard !s.allocationChecked else { return false }
             s.allocationChecked = true
-            if s.fd >= 0 {
-                trimAllocation(&s)
-                return false
-            }
-            s.fd = cache.files.openFile(hex) ?? -1
-            guard s.fd >= 0 else { return false }
-            trimAllocation(&s)
             return true
         }
-        if opened {
+        guard first, let (fd, alone) = cache.files.openFile(hex, tryAlone: true) else { return }
+        let same = Self.inode(of: fd) == inode
+        let disk = alone && same && cache.shared.isShared ? Self.readIndex(fd: fd, format: format) : nil
+        let installed = state.withLock { s -> Bool in
+            guard same else { return false }
+            if alone { trimAllocation(fd: fd, index: disk ?? s.index) }
+            guard s.fd < 0, s.users > 0 else { return false }
+            s.fd = fd
+            return true
+        }
+        if alone { CacheDirectory.share(fd) }
+        if installed {
             lastUsed.store(cache.tick(), ordering: .relaxed)
             cache.noteOpened(self)
+        } else {
+            Glibc.close(fd)
         }
+    }
+
+    static func inode(of fd: Int32) -> ino_t? {
+        var st = stat()
+        return fstat(fd, &st) == 0 ? st.st_ino : nil
     }
 
     func close() {
@@ -162,9 +209,9 @@ final class CachedObject: Sendable {
             // ahead hold beyond the blocks written goes.
             if !s.allocatedChunks.isEmpty || s.fd >= 0 {
                 let temporary = s.fd < 0
-                if temporary { s.fd = cache.files.openFile(hex) ?? -1 }
+                if temporary { s.fd = openOwnFile() ?? -1 }
                 if s.fd >= 0 {
-                    for c in s.allocatedChunks { punchAbsent(&s, in: chunkBlocks(c)) }
+                    letAllocationGo(&s)
                     futimens(s.fd, nil)  // the file's mtime is its recency for the next mount's LRU
                 }
                 s.allocatedChunks.removeAll()
@@ -180,9 +227,35 @@ final class CachedObject: Sendable {
         if closed { cache.noteClosed(self) }
     }
 
-    /// Recency among open files, for letting descriptors go (`BlockCache.noteOpened`).
+    /// Recency among open files, for letting descriptors go (`BlockCache.noteOpened`), and this
+    /// mount's last use of the file (wall-clock ns, `BlockCache.tick`).
     var lastUse: UInt64 { lastUsed.load(ordering: .relaxed) }
     private let lastUsed = Atomic<UInt64>(0)
+    /// When this mount last set the file's mtime for a read (`markUsed`).
+    private let stampedAt = Atomic<UInt64>(0)
+    /// The file's mtime when eviction last looked, if another mount used it after this one
+    /// did (`noteFileTime`); 0 otherwise.
+    let foreignUse = Atomic<UInt64>(0)
+    /// How often a read sets the file's mtime, at most.
+    static let stampInterval: UInt64 = 1_000_000_000
+
+    /// A read was served from the file at `t`: in a shared cache its mtime says so to the
+    /// other mounts' eviction (docs/cache.md, "Eviction"), at most once a `stampInterval`.
+    /// Writes set it by themselves. Alone, the mtime is set at close only (`futimens` takes
+    /// the inode's lock, which waits for the direct writes under way).
+    private func markUsed(fd: Int32, at t: UInt64) {
+        guard cache.shared.isShared, t &- stampedAt.load(ordering: .relaxed) > Self.stampInterval else { return }
+        stampedAt.store(t, ordering: .relaxed)
+        futimens(fd, nil)
+    }
+
+    /// Eviction saw the file's mtime `mtime` (ns): later than this mount's own last use (by
+    /// more than `stampInterval`), it is another mount's use, and every block of the file
+    /// counts as used then (`collectBlocks`).
+    func noteFileTime(_ mtime: Int64) {
+        let t = UInt64(max(0, mtime))
+        foreignUse.store(t > lastUse &+ Self.stampInterval ? t : 0, ordering: .relaxed)
+    }
 
     private func closeDescriptors(_ s: inout State) {
         if s.fd >= 0 { Glibc.close(s.fd) }
@@ -220,14 +293,10 @@ final class CachedObject: Sendable {
         if needsOpening {
             // Opened outside the lock (a system call that may wait for the disk), kept if no
             // other use opened it meanwhile.
-            let fd = cache.files.openFile(hex) ?? -1
+            let fd = openOwnFile() ?? -1
             let installed = state.withLock { s -> Bool in
                 guard s.fd < 0, fd >= 0 else { return false }
                 s.fd = fd
-                if !s.allocationChecked {
-                    s.allocationChecked = true
-                    trimAllocation(&s)
-                }
                 return true
             }
             if installed {
@@ -268,10 +337,22 @@ final class CachedObject: Sendable {
         if open >= 0 {
             body(open)
             endUse()
-        } else if let fd = cache.files.openFile(hex) {
+        } else if let fd = openOwnFile() {
             body(fd)
             Glibc.close(fd)
         }
+    }
+
+    /// Opens this object's file by its name: nil when the name is gone or is another file now
+    /// (another mount removed this one, and perhaps made it again: this object serves its
+    /// readers uncached until they let it go, and the next open uses the new file).
+    func openOwnFile() -> Int32? {
+        guard let fd = cache.files.openFile(hex) else { return nil }
+        guard Self.inode(of: fd) == inode else {
+            Glibc.close(fd)
+            return nil
+        }
+        return fd
     }
 
     /// Opens the direct descriptor beside the open buffered one, once (a use holds the file).
@@ -293,11 +374,15 @@ final class CachedObject: Sendable {
         if !kept { Glibc.close(direct) }
     }
 
-    func isCached(_ block: Int) -> Bool { state.withLock { $0.index.isPresent(block) } }
+    func isCached(_ block: Int) -> Bool {
+        lookOnDisk(block...block)
+        return state.withLock { $0.index.isPresent(block) }
+    }
 
     /// For each block of `blocks`: is it cached?
     func cachedMask(_ blocks: ClosedRange<Int>) -> [Bool] {
-        state.withLock { s in blocks.map { s.index.isPresent($0) } }
+        lookOnDisk(blocks)
+        return state.withLock { s in blocks.map { s.index.isPresent($0) } }
     }
 
     /// How many bytes from `offset` (at most up to `end`) lie in consecutive cached blocks.
@@ -305,6 +390,7 @@ final class CachedObject: Sendable {
         let bs = Int64(format.blockSize)
         let first = Int(offset / bs)
         let last = Int((end - 1) / bs)
+        lookOnDisk(first...last)
         let run = state.withLock { s -> Int in
             var b = first
             while b <= last, s.index.isPresent(b) { b += 1 }
@@ -330,6 +416,7 @@ final class CachedObject: Sendable {
         let bs = Int64(format.blockSize)
         let first = Int(offset / bs)
         let last = Int((offset + Int64(dst.count) - 1) / bs)
+        lookOnDisk(first...last)
         let t = cache.tick()
         var crcs = [UInt32](repeating: 0, count: last - first + 1)
         let present = state.withLock { s -> Bool in
@@ -342,7 +429,11 @@ final class CachedObject: Sendable {
             return true
         }
         guard present else { return false }
-        return withFile { fd, _ in readVerified(fd: fd, at: offset, into: dst, first: first, last: last, crcs: crcs) } ?? false
+        return withFile { fd, _ -> Bool in
+            guard readVerified(fd: fd, at: offset, into: dst, first: first, last: last, crcs: crcs) else { return false }
+            markUsed(fd: fd, at: t)
+            return true
+        } ?? false
     }
 
     /// `read`'s disk read and checks, with the file open.
@@ -418,6 +509,7 @@ final class CachedObject: Sendable {
                 cost += Self.diskBytes(length)
             }
             guard cache.reserve(cost) else { return }
+            defer { cache.landed(cost) }
             // A direct write refused by an earlier run (EINVAL) goes buffered from then on.
             let direct = state.withLock { $0.directRefused } ? -1 : directFD
             // Data first, then the index entries: a crash in between leaves blocks that are
@@ -440,9 +532,11 @@ final class CachedObject: Sendable {
             // before the lock, and a store that finds it taken leaves them to its holder.
             let duplicate: Int64
             var failure: Int32
-            if stillDirect >= 0 {
+            if stillDirect >= 0 || cache.shared.isShared {
+                // In a shared cache buffered entries go the same way (merged with the disk's
+                // page under its lock, `writeEntryPages`), written through the page cache.
                 duplicate = setEntries(entries, from: runFirst, direct: true)
-                failure = commitIndex(direct: stillDirect) {
+                failure = commitIndex(fd: fd, direct: stillDirect) {
                     // The device refused the alignment: these entries buffered.
                     self.writeEntries(entries, from: runFirst, fd: fd)
                 }
