@@ -77,7 +77,7 @@ public enum FuseSession {
         }
 
         // Background jobs inherit SIGINT as ignored, and libfuse only installs its handlers
-        // over SIG_DFL (docs/fuse-notes.md, item 10).
+        // over SIG_DFL (docs/fuse-notes.md, item 4).
         signal(SIGINT, SIG_DFL)
         signal(SIGTERM, SIG_DFL)
         signal(SIGHUP, SIG_DFL)
@@ -149,7 +149,7 @@ public enum FuseSession {
     }
 
     /// Writes `read_ahead_kb` of the mount's backing device so buffered sequential reads arrive
-    /// as 1 MiB requests (docs/fuse-notes.md, item 8). Best effort: needs root.
+    /// as 1 MiB requests (docs/fuse-notes.md, item 3). Best effort: needs root.
     private static func raiseReadahead(mountpoint: String) {
         guard let mountinfo = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return }
         let escaped = mountpoint.replacingOccurrences(of: " ", with: "\\040")
