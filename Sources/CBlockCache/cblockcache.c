@@ -272,6 +272,10 @@ int64_t cblockcache_atomic_add(int64_t *p, int64_t v) {
     return __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST);
 }
 
+int64_t cblockcache_atomic_exchange(int64_t *p, int64_t v) {
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+
 int cblockcache_atomic_cas(int64_t *p, int64_t expected, int64_t desired) {
     return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }

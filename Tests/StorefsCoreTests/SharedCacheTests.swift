@@ -245,3 +245,32 @@ import StorageClient
         #expect(b.shared.slot == slot)
     }
 }
+
+/// The offline namespace of one source, kept by several mounts of it over one cache directory.
+@Suite struct SharedNamespaceTests {
+    let dir = temporaryDirectory()
+
+    @Test func twoMountsOfOneSourceAppendToOneLogAndLoseNothing() throws {
+        // Two mounts start at once: the new log gets one header, and neither load rewrites
+        // the log under the other.
+        let a = try NamespaceStore(cacheDirectory: dir, source: "s")
+        let b = try NamespaceStore(cacheDirectory: dir, source: "s")
+        _ = a.load()
+        _ = b.load()
+        let group = DispatchGroup()
+        for (store, prefix) in [(a, "a"), (b, "b")] {
+            group.enter()
+            Thread {
+                for i in 0..<200 { store.recordFile("\(prefix)/\(i)", FileRecord(object("\(prefix)/\(i)", size: Int64(i + 1)))) }
+                store.flush(timeout: 30)
+                group.leave()
+            }.start()
+        }
+        group.wait()
+        let loaded = try NamespaceStore(cacheDirectory: dir, source: "s").load()
+        let paths = Set(loaded.files.map(\.path))
+        #expect(paths.count == 400, "\(400 - paths.count) records lost")
+        #expect(loaded.files.allSatisfy { $0.record.size == Int64(Int($0.path.split(separator: "/")[1])! + 1) })
+        withExtendedLifetime((a, b)) {}
+    }
+}

@@ -39,6 +39,8 @@ int64_t cblockcache_atomic_load(const int64_t *p);
 void cblockcache_atomic_store(int64_t *p, int64_t v);
 /* Adds v; returns the new value. */
 int64_t cblockcache_atomic_add(int64_t *p, int64_t v);
+/* Stores v; returns the value before. */
+int64_t cblockcache_atomic_exchange(int64_t *p, int64_t v);
 /* Stores desired if *p is expected: 1, else 0 (and *p unchanged). */
 int cblockcache_atomic_cas(int64_t *p, int64_t expected, int64_t desired);
 #endif

@@ -5,9 +5,9 @@ import Synchronization
 /// The cap and LRU eviction (docs/cache.md, "One cap" and "Eviction"). The bytes the cache
 /// holds are counted in `SharedCache`, one count for every mount of the directory: a store
 /// reserves its bytes there before it writes, and eviction frees down to a low-water mark.
-/// One mount evicts at a time (the evictor lock); in a shared cache it first looks at every
-/// file on disk (other mounts' too, their indexes as they are now) and counts the bytes again
-/// from them, so that what a killed mount reserved and never wrote is not counted for ever.
+/// One mount evicts at a time (the evictor lock); in a shared cache it first gives back what
+/// killed mounts reserved and never wrote (`SharedCache.reclaimDead`), then looks at every
+/// file on disk (other mounts' too, their indexes as they are now) for what to evict.
 extension BlockCache {
     /// Makes room for `bytes` more (evicting least recently used blocks); false if it cannot.
     /// The bytes are counted as in flight until `landed`.
@@ -41,7 +41,10 @@ extension BlockCache {
         let cap = capacity
         // Another evictor (in this mount or another) may have made the room meanwhile.
         guard everything || shared.used + bytes > cap else { return }
-        if shared.isShared { rescanHoldingEvictor() }
+        if shared.isShared {
+            shared.reclaimDead()
+            rescanHoldingEvictor()
+        }
         let lowWater = everything ? 0 : cap - cap / 10 - bytes
         let objects = state.withLock { Array($0.objects.values) }
         var candidates: [(tick: UInt64, object: CachedObject, block: Int)] = []
@@ -71,7 +74,8 @@ extension BlockCache {
         Log.debug("cache eviction freed=\(freed + removed) used=\(usedBytes) cap=\(cap)")
     }
 
-    /// Counts the bytes the cache holds again from what is on disk (after `rm -rf v1`).
+    /// Counts the bytes the cache holds again from what is on disk (after `rm -rf v1`: what
+    /// the deleted files held is gone).
     func recount() {
         evicting.lock()
         shared.beginEviction()
@@ -80,7 +84,10 @@ extension BlockCache {
             evicting.unlock()
         }
         if shared.isShared {
+            let before = shared.used
             rescanHoldingEvictor()
+            let objects = state.withLock { $0.objects.values }
+            shared.recount(onDisk: objects.reduce(0) { $0 + $1.overheadBytes + $1.storedBytes }, before: before)
         } else {
             let objects = state.withLock { Array($0.objects.values) }
             shared.setUsed(objects.reduce(0) { $0 + $1.overheadBytes + $1.storedBytes })
@@ -90,10 +97,8 @@ extension BlockCache {
     /// Looks at every cache file on disk (the evictor lock held): files other mounts made are
     /// taken in, files they removed are forgotten (unless in use here), every index is read
     /// again where another mount wrote one of its bucket since, and each file's mtime is
-    /// noted (other mounts' recent use, `CachedObject.noteFileTime`). Then the bytes are
-    /// counted again: what the files hold plus what live mounts have in flight.
+    /// noted (other mounts' recent use, `CachedObject.noteFileTime`).
     func rescanHoldingEvictor() {
-        let before = shared.used
         var onDisk: [String: (mtime: Int64, inode: ino_t)] = [:]
         files.listFiles { hex, mtime, inode in onDisk[hex] = (mtime, inode) }
         let known = state.withLock { $0.objects }
@@ -112,10 +117,6 @@ extension BlockCache {
                 o.noteFileTime(info.mtime)
             }
         }
-        let objects = state.withLock { $0.objects }
-        var total: Int64 = 0
-        for (hex, o) in objects where onDisk[hex]?.inode == o.inode { total += o.overheadBytes + o.storedBytes }
-        shared.recount(onDisk: total, before: before)
     }
 
     /// Takes in (unless known already) the cache file of `hex` that another mount made, as it

@@ -8,11 +8,10 @@ import Synchronization
 extension BlockCache {
     /// Start-up scan: reuse valid files (oldest first in LRU order), delete anything else.
     /// With other mounts live, a temporary file younger than `CacheDirectory.temporaryAge`
-    /// stays (one of them may be about to rename it into place), and the bytes are counted
-    /// again against what they hold in flight; alone, the count is what the files hold.
+    /// stays (one of them may be about to rename it into place) and the count they keep stays;
+    /// alone, the count is what the files hold.
     func loadExisting() {
         let sharing = shared.isShared
-        let before = shared.used
         var found: [(mtime: Int64, object: CachedObject)] = []
         files.scan(keepRecentTemporaries: sharing) { hex, fd, mtime in
             guard let object = load(fd: fd, hex: hex) else { return false }
@@ -28,7 +27,8 @@ extension BlockCache {
             }
         }
         if sharing {
-            shared.recount(onDisk: used, before: before)
+            // The live mounts keep the count; killed ones' reservations are given back.
+            shared.reclaimDead()
         } else {
             shared.setUsed(used)
         }

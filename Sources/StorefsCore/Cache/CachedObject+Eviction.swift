@@ -33,7 +33,9 @@ extension CachedObject {
             s.drops &+= 1
             return (freed, pending)
         }
-        var freed = mine
+        // In a shared cache what is freed is what the file holds (read below); nothing of a
+        // file another mount removed meanwhile but this mount's own unwritten blocks.
+        var freed = sharing ? pendingBytes : mine
         // The index first (a punched hole reads as zeros: every block absent), then the data's
         // disk space; outside the state lock, so readers meanwhile see the blocks gone.
         withAnyDescriptor { fd in
@@ -80,7 +82,9 @@ extension CachedObject {
             return (entry, s.pending.removeValue(forKey: block) != nil)
         }
         guard entry.length != 0 else { return 0 }
-        var freed = Self.diskBytes(Int(entry.length))
+        // In a shared cache what is freed is what the disk held (read below): nothing when the
+        // file is not there any more (another mount removed it, and counted that).
+        var freed = sharing ? (wasPending ? Self.diskBytes(Int(entry.length)) : 0) : Self.diskBytes(Int(entry.length))
         withAnyDescriptor { fd in
             let at = format.entryOffset(block)
             let (from, to) = Self.pageRange(at, at + Int64(CacheFileFormat.entrySize))

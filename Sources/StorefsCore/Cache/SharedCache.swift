@@ -109,9 +109,14 @@ final class SharedCache: @unchecked Sendable {
         }
         defer { _ = cblockcache_unlock_range(fd, 0, 1) }
         var st = stat()
-        if fstat(fd, &st) != 0 || Int(st.st_size) != Self.stateSize {
-            // New, or of another size (damaged): laid out afresh; no mount can be using it, as
-            // each maps it whole and checks its size while joining.
+        var head = [Int64](repeating: 0, count: 2)
+        let read = head.withUnsafeMutableBytes { pread(fd, $0.baseAddress, $0.count, 0) }
+        let fresh = fstat(fd, &st) != 0 || Int(st.st_size) != Self.stateSize || read != 16
+            || head[0] != Self.magic || head[1] != Self.layoutVersion
+        if fresh {
+            // New, or of another size or layout (damaged, another version): laid out afresh,
+            // all zeros and sparse; no mount can be using it, as each maps it whole and checks
+            // it while joining, under this lock.
             _ = ftruncate(fd, 0)
             _ = ftruncate(fd, off_t(Self.stateSize))
         }
@@ -121,9 +126,7 @@ final class SharedCache: @unchecked Sendable {
             throw Refused(message: "cannot map \(directory.versionPath)/\(Self.stateName): \(why)")
         }
         base = mapped
-        if cblockcache_atomic_load(Self.word(mapped, Header.magic.rawValue)) != Self.magic
-            || cblockcache_atomic_load(Self.word(mapped, Header.version.rawValue)) != Self.layoutVersion {
-            memset(mapped, 0, Self.stateSize)
+        if fresh {
             cblockcache_atomic_store(Self.word(mapped, Header.version.rawValue), Self.layoutVersion)
             cblockcache_atomic_store(Self.word(mapped, Header.magic.rawValue), Self.magic)
         }
@@ -159,8 +162,10 @@ final class SharedCache: @unchecked Sendable {
                 throw Refused(message: "cache_dir \(cacheDirectory) is in use by a storefs mount with block_size=\(theirs) (pid \(pid)): mounts sharing a cache directory use one block size; give block_size=\(theirs) or another cache_dir=")
             }
         }
-        // This slot's record: what a mount killed here before left in flight is not ours.
-        cblockcache_atomic_store(Self.slotWord(mapped, slot, .inFlight), 0)
+        // This slot's record: what a mount killed here before reserved and never indexed is
+        // not on disk (its reservations in flight), so it is not counted any more.
+        let left = cblockcache_atomic_exchange(Self.slotWord(mapped, slot, .inFlight), 0)
+        if left != 0 { cblockcache_atomic_add(Self.word(mapped, Header.used.rawValue), -left) }
         cblockcache_atomic_store(Self.slotWord(mapped, slot, .capacity), capacity)
         cblockcache_atomic_store(Self.slotWord(mapped, slot, .blockSize), Int64(blockSize))
         cblockcache_atomic_store(Self.slotWord(mapped, slot, .pid), Int64(getpid()))
@@ -243,7 +248,8 @@ final class SharedCache: @unchecked Sendable {
             return a.capacity != cap && a.at != 0
         }
         if changed {
-            Log.info("cache: the cap shared by the mounts of \(directory.path) is now \(cap) bytes (the smallest cache_size of \(live.count + 1) live mount(s))")
+            Log.info("cache: the mounts sharing the cache directory keep to a new cap (the smallest cache_size of the live mounts)",
+                     ["dir": directory.path, "cap_bytes": String(cap), "mounts": String(live.count + 1)])
         }
         return cap
     }
@@ -318,9 +324,26 @@ final class SharedCache: @unchecked Sendable {
 
     func add(_ bytes: Int64) { cblockcache_atomic_add(header(.used), bytes) }
 
-    /// Sets the count from a recount: `onDisk` (what the files hold, read just now) plus what
-    /// live mounts have in flight, as a change against `before` (the count when the recount
-    /// began), so that reservations made meanwhile stay counted.
+    /// Bytes killed mounts reserved and never indexed are not counted any more: each slot no
+    /// live mount holds gives back what it had in flight (docs/cache.md, "One cap"). The count
+    /// is otherwise kept exact by every mount's changes (reservations, duplicates found when
+    /// an index page is merged, what eviction found on disk and freed), so nothing is counted
+    /// again from the files while mounts write.
+    func reclaimDead() {
+        for i in 0..<Self.slotsInUse(base) where i != slot {
+            let p = Self.slotWord(base, i, .inFlight)
+            guard cblockcache_atomic_load(p) != 0, !Self.isHeld(directory, i) else { continue }
+            let left = cblockcache_atomic_exchange(p, 0)
+            if left != 0 {
+                cblockcache_atomic_add(header(.used), -left)
+                cblockcache_atomic_add(header(.recounts), 1)
+            }
+        }
+    }
+
+    /// Sets the count from a recount after the version directory went (`rm -rf v1`):
+    /// `onDisk` (what the files hold, read just now) plus what live mounts have in flight, as
+    /// a change against `before` (the count when the recount began).
     func recount(onDisk: Int64, before: Int64) {
         var inFlight: Int64 = cblockcache_atomic_load(mine(.inFlight))
         let live = agreed.withLock { $0.live }
@@ -371,4 +394,23 @@ final class SharedCache: @unchecked Sendable {
     }
 
     func endEviction() { _ = cblockcache_unlock_range(stateFD, 1, 1) }
+}
+
+/// A live mount of a cache directory, for `storefs cache status|clear` (which do not join).
+public struct CacheMount: Sendable {
+    public let pid: Int?
+    public let mountpoint: String?
+    public let capacity: Int64?
+}
+
+extension BlockCache {
+    /// The mounts using the cache directory open at `dirFD` now (docs/cache.md, "Who uses a cache").
+    public static func liveMounts(cacheDirectoryFD dirFD: Int32) -> [CacheMount] {
+        SharedCache.liveMembers(cacheDirectoryFD: dirFD).map { CacheMount(pid: $0.pid, mountpoint: $0.mountpoint, capacity: $0.capacity) }
+    }
+
+    /// The bytes its mounts count against the cap, nil when no mount ever used it.
+    public static func countedBytes(cacheDirectoryFD dirFD: Int32) -> Int64? {
+        SharedCache.usedBytes(cacheDirectoryFD: dirFD)
+    }
 }
