@@ -59,29 +59,21 @@ enum CacheCommand {
     static var versionNumber: Int { BlockCache.formatVersion }
 
     /// A mount using a cache: from its slot file (`mounts-v1/NNN`), or for an older storefs
-    /// version, which holds the cache alone, from `v1/.lock`.
+    /// version, which holds the cache alone (`older`), from `v1/.lock`.
     struct Holder {
-        var pid: Int?
-        var mountpoint: String?
-        var capacity: Int64?
+        var mount = CacheMount()
         var older = false
 
-        init(pid: Int? = nil, mountpoint: String? = nil, capacity: Int64? = nil, older: Bool = false) {
-            self.pid = pid
-            self.mountpoint = mountpoint
-            self.capacity = capacity
-            self.older = older
-        }
-
+        var pid: Int? { mount.pid }
+        var mountpoint: String? { mount.mountpoint }
+        var capacity: Int64? { mount.capacity }
         var shown: String { "pid \(pid.map(String.init) ?? "?") mounted at \(mountpoint.map(Log.escaped) ?? "?")" }
     }
 
     /// Every mount using the cache at `dirFD` now: the live slots, or an older version.
     static func holders(_ dirFD: Int32) -> [Holder] {
         if let older = holder(dirFD) { return [older] }
-        return BlockCache.liveMounts(cacheDirectoryFD: dirFD).map {
-            Holder(pid: $0.pid, mountpoint: $0.mountpoint, capacity: $0.capacity)
-        }
+        return BlockCache.liveMounts(cacheDirectoryFD: dirFD).map { Holder(mount: $0) }
     }
 
     /// Opens `dir` itself without following a link; nil and a reason otherwise.
@@ -112,13 +104,7 @@ enum CacheCommand {
             defer { close(lockFD) }
             // Older storefs versions lock only this file.
             if flock(lockFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK { held = true }
-            var buffer = [UInt8](repeating: 0, count: 4096)
-            let n = buffer.withUnsafeMutableBytes { read(lockFD, $0.baseAddress, $0.count) }
-            if n > 0, let obj = try? JSONSerialization.jsonObject(with: Data(buffer[0..<n])) as? [String: Any] {
-                info.pid = obj["pid"] as? Int
-                info.mountpoint = obj["mountpoint"] as? String
-                info.capacity = (obj["capacity"] as? NSNumber)?.int64Value
-            }
+            info.mount = CacheMount.record(from: lockFD)
         }
         return held ? info : nil
     }
@@ -185,7 +171,7 @@ enum CacheCommand {
             print("  cap:       \(cap), set by the mount using it")
             print("  in use:    by \(h.shown)")
         } else {
-            let caps = using.compactMap(\.capacity)
+            let caps = using.compactMap { $0.capacity }
             let cap = caps.min().map { "\(bytes($0)) (\($0) bytes)" } ?? "unknown"
             print("  cap:       \(cap), the smallest cache_size of the \(using.count) mounts using it")
             print("  in use:    by \(using.count) mounts, sharing it:")

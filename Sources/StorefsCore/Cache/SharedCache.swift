@@ -77,15 +77,6 @@ final class SharedCache: @unchecked Sendable {
         let message: String
     }
 
-    /// A live mount, as its slot says.
-    struct Member: Sendable {
-        var slot: Int
-        var pid: Int?
-        var mountpoint: String?
-        var capacity: Int64?
-        var blockSize: Int?
-    }
-
     /// Joins the cache at `cacheDirectory` (already verified by the caller's CacheDirectory):
     /// takes a free slot, checks that the live mounts use `blockSize` too, and records `capacity`.
     init(cacheDirectory: String, capacity: Int64, blockSize: Int) throws(Refused) {
@@ -266,11 +257,11 @@ final class SharedCache: @unchecked Sendable {
 
     /// The live mounts of a cache directory, from their slot files (for `storefs cache status`
     /// and `clear`, which do not join).
-    static func liveMembers(cacheDirectoryFD dirFD: Int32) -> [Member] {
+    static func liveMembers(cacheDirectoryFD dirFD: Int32) -> [CacheMount] {
         let fd = openat(dirFD, directoryName, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else { return [] }
         defer { Glibc.close(fd) }
-        var members: [Member] = []
+        var members: [CacheMount] = []
         for i in 0..<slotCount {
             let f = openat(fd, slotName(i), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
             guard f >= 0 else { continue }
@@ -278,15 +269,8 @@ final class SharedCache: @unchecked Sendable {
             var st = stat()
             guard fstat(f, &st) == 0, st.st_mode & S_IFMT == S_IFREG,
                   flock(f, LOCK_SH | LOCK_NB) != 0, errno == EWOULDBLOCK else { continue }
-            var m = Member(slot: i)
-            var buffer = [UInt8](repeating: 0, count: 4096)
-            let n = buffer.withUnsafeMutableBytes { read(f, $0.baseAddress, $0.count) }
-            if n > 0, let obj = try? JSONSerialization.jsonObject(with: Data(buffer[0..<n])) as? [String: Any] {
-                m.pid = obj["pid"] as? Int
-                m.mountpoint = obj["mountpoint"] as? String
-                m.capacity = (obj["capacity"] as? NSNumber)?.int64Value
-                m.blockSize = obj["block_size"] as? Int
-            }
+            var m = CacheMount.record(from: f)
+            m.slot = i
             members.append(m)
         }
         return members
@@ -396,17 +380,45 @@ final class SharedCache: @unchecked Sendable {
     func endEviction() { _ = cblockcache_unlock_range(stateFD, 1, 1) }
 }
 
-/// A live mount of a cache directory, for `storefs cache status|clear` (which do not join).
+/// A mount using a cache directory, as its lock file says (`storefs cache status|clear`, which
+/// do not join).
 public struct CacheMount: Sendable {
-    public let pid: Int?
-    public let mountpoint: String?
-    public let capacity: Int64?
+    /// Its slot under `mounts-v1/`; nil for an older storefs, which holds the cache alone.
+    public var slot: Int?
+    public var pid: Int?
+    public var mountpoint: String?
+    public var capacity: Int64?
+    public var blockSize: Int?
+
+    public init(slot: Int? = nil, pid: Int? = nil, mountpoint: String? = nil, capacity: Int64? = nil, blockSize: Int? = nil) {
+        self.slot = slot
+        self.pid = pid
+        self.mountpoint = mountpoint
+        self.capacity = capacity
+        self.blockSize = blockSize
+    }
+
+    /// The JSON line a mount writes into its lock file (a slot file; older versions
+    /// `v1/.lock`), read from its start (at most 4 KiB); what is missing stays nil. The file is
+    /// the same user's, but what it says is shown escaped (`Log.escaped`).
+    public static func record(from fd: Int32) -> CacheMount {
+        var m = CacheMount()
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        let n = buffer.withUnsafeMutableBytes { pread(fd, $0.baseAddress, $0.count, 0) }
+        if n > 0, let obj = try? JSONSerialization.jsonObject(with: Data(buffer[0..<n])) as? [String: Any] {
+            m.pid = obj["pid"] as? Int
+            m.mountpoint = obj["mountpoint"] as? String
+            m.capacity = (obj["capacity"] as? NSNumber)?.int64Value
+            m.blockSize = obj["block_size"] as? Int
+        }
+        return m
+    }
 }
 
 extension BlockCache {
     /// The mounts using the cache directory open at `dirFD` now (docs/cache.md, "Who uses a cache").
     public static func liveMounts(cacheDirectoryFD dirFD: Int32) -> [CacheMount] {
-        SharedCache.liveMembers(cacheDirectoryFD: dirFD).map { CacheMount(pid: $0.pid, mountpoint: $0.mountpoint, capacity: $0.capacity) }
+        SharedCache.liveMembers(cacheDirectoryFD: dirFD)
     }
 
     /// The bytes its mounts count against the cap, nil when no mount ever used it.
