@@ -28,3 +28,51 @@ int cblockcache_reopen_direct(int fd) {
     }
     return d;
 }
+
+int cblockcache_lock_range(int fd, off_t start, off_t len, int exclusive, int wait) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = exclusive ? F_WRLCK : F_RDLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = start;
+    fl.l_len = len;
+    int r;
+    do {
+        r = fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl);
+    } while (r != 0 && errno == EINTR);
+    return r;
+}
+
+int cblockcache_unlock_range(int fd, off_t start, off_t len) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_UNLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = start;
+    fl.l_len = len;
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+int cblockcache_rename_noreplace(int olddirfd, const char *oldpath, int newdirfd, const char *newpath) {
+    return renameat2(olddirfd, oldpath, newdirfd, newpath, RENAME_NOREPLACE);
+}
+
+int64_t cblockcache_atomic_load(const int64_t *p) {
+    return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+}
+
+void cblockcache_atomic_store(int64_t *p, int64_t v) {
+    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+}
+
+int64_t cblockcache_atomic_add(int64_t *p, int64_t v) {
+    return __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST);
+}
+
+int64_t cblockcache_atomic_exchange(int64_t *p, int64_t v) {
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+
+int cblockcache_atomic_cas(int64_t *p, int64_t expected, int64_t desired) {
+    return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}

@@ -145,8 +145,8 @@ enum StorefsMain {
         config.fileModeGiven = o.fileModeGiven
         config.ownerGiven = o.uid != nil || o.gid != nil
         config.symlinks = o.symlinks
-        guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
-                                                                          bucket: o.source.bucket, prefix: o.source.prefix) else {
+        // One cache per user by default, shared by all its mounts (docs/cache.md).
+        guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env) else {
             return fail("no home directory to keep the block cache in: give one with -o cache_dir=DIR")
         }
         // The namespace stored beside the cache is this source's own (docs/architecture.md,

@@ -505,13 +505,18 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(onDisk <= cap + 8192, "allocated \(onDisk)")
     }
 
-    @Test func oneProcessPerCacheDirectory() throws {
-        // flock is per open file description: a second open in this process conflicts too.
+    @Test func aCacheDirectoryAnOlderStorefsHoldsIsRefused() throws {
+        // Older versions (and `storefs cache clear`) lock cache_dir exclusively; mounts share it.
         let first = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
-        #expect { _ = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096) } throws: {
-            ($0 as? FilesystemError)?.message.contains("in use by another storefs process") == true
+        let second = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        withExtendedLifetime((first, second)) {}
+        let other = temporaryDirectory()
+        let old = open(other, O_RDONLY | O_DIRECTORY)
+        defer { close(old) }
+        #expect(flock(old, LOCK_EX | LOCK_NB) == 0)
+        #expect { _ = try BlockCache(directory: other, capacity: 1 << 20, blockSize: 4096) } throws: {
+            ($0 as? FilesystemError)?.message.contains("held by an older storefs version") == true
         }
-        withExtendedLifetime(first) {}
     }
 
     @Test func racingFirstOpensShareOneFile() throws {

@@ -300,6 +300,8 @@ def measure_system(ctx: RunContext, system: str, run_i: int, res: dict, extra: d
         sr.step(f"{LINK_READERS} readers", lambda: parallel_phase(sr, LINK_READERS, "par4", None))
         sr.step("first byte", lambda: first_byte_phase(sr))
     sr.step("short read", lambda: short_read_phase(sr))
+    from . import shared_cache  # the shared-cache row (its own module)
+    sr.step("second mount", lambda: shared_cache.second_mount_phase(sr))
     if not sr.cacheless:
         sr.step("find", lambda: walk_phase(sr, "find", f"find {tree} | wc -l", True))
         sr.step("ls -lR", lambda: walk_phase(sr, "lsR", f"ls -lR {tree} > /dev/null", False))
