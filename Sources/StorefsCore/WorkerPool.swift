@@ -1,53 +1,78 @@
 import Foundation
 import Synchronization
 
-/// A fixed set of threads that run blocking work (HTTP transfers, disk reads) so that neither
+/// Threads of our own that run blocking work (HTTP transfers, disk reads) so that neither
 /// FUSE's threads nor Swift's two-thread cooperative pool ever wait on the network.
+///
+/// A pool holds no thread until it has work: a job submitted while no thread of the pool is
+/// free starts one, up to `limit` at once (docs/architecture.md, "Threads"); a thread that has
+/// had nothing to do for `idleSeconds` ends. So a pool sized for the worst burst (64 stalled
+/// lookups each waiting on three requests) costs threads only during that burst, and a mount
+/// that has been idle holds none of them (issue 49, item 4: repeated `find` walks left 110
+/// threads, all started on first use and never ended).
 public final class WorkerPool: Sendable {
-    private struct Queue: ~Copyable {
+    private struct State: ~Copyable {
         var jobs: [(@Sendable () -> Void)?] = []
         var head = 0
         var stopping = false
+        /// Jobs running now.
         var running = 0
+        /// Threads alive, and of those the ones not running a job (waiting, or about to).
+        var threads = 0
+        var idle = 0
+        /// Threads started so far (their names).
+        var started = 0
+        /// Most threads at once.
+        var limit: Int
+
+        var pending: Int { jobs.count - head }
     }
 
-    private let queue = Mutex(Queue())
+    /// Guards the queue and the thread counts; a leaf lock (jobs run and threads start outside it).
+    private let state: Mutex<State>
+    /// One signal per job submitted (and one per thread at shutdown); a wait that times out
+    /// lets an idle thread end.
     private let wake = DispatchSemaphore(value: 0)
     private let name: String
-    /// Threads started so far.
-    private let threads = Mutex(0)
+    private let idleSeconds: Double
 
-    /// Threads start at once: create pools only after daemonizing (fork keeps one thread).
-    public init(threads: Int, name: String) {
+    /// A pool of at most `threads` threads, each ending after `idleSeconds` without work.
+    /// Threads start on demand: they are made only after the daemon forked (fork keeps one).
+    public init(threads: Int, name: String, idleSeconds: Double = WorkerPool.defaultIdleSeconds) {
         self.name = name
-        grow(to: threads)
+        self.idleSeconds = idleSeconds
+        state = Mutex(State(limit: max(1, threads)))
     }
 
-    /// Starts more threads, up to `threads` in all; a pool never shrinks.
+    /// How long an idle thread waits for work before it ends.
+    public static let defaultIdleSeconds = 5.0
+
+    /// Allows up to `threads` threads at once; a pool's limit never shrinks.
     public func grow(to threads: Int) {
-        let first = self.threads.withLock { n -> Int in
-            defer { n = max(n, threads) }
-            return n
-        }
-        for i in first..<max(first, threads) {
-            let t = Thread { [self] in self.run() }
-            t.name = "\(name)-\(i)"
-            t.stackSize = 1 << 20
-            t.start()
-        }
+        state.withLock { $0.limit = max($0.limit, threads) }
     }
 
     public func submit(_ job: @escaping @Sendable () -> Void) {
-        queue.withLock { q in
-            q.jobs.append(job)
+        // A job that no free thread will take starts a thread of its own.
+        let thread = state.withLock { s -> Int? in
+            s.jobs.append(job)
+            guard s.pending > s.idle, s.threads < s.limit else { return nil }
+            s.threads += 1
+            s.idle += 1
+            s.started += 1
+            return s.started
         }
         wake.signal()
+        if let thread { start(thread) }
     }
+
+    /// Threads alive now (tests, docs/architecture.md's bound).
+    public var threadCount: Int { state.withLock { $0.threads } }
 
     /// Waits until no job is queued or running, at most `timeout` seconds; false on time-out.
     public func drain(timeout: Double) -> Bool {
         let deadline = Date().addingTimeInterval(timeout)
-        while queue.withLock({ $0.head < $0.jobs.count || $0.running > 0 }) {
+        while state.withLock({ $0.pending > 0 || $0.running > 0 }) {
             if Date() > deadline { return false }
             usleep(2000)
         }
@@ -56,30 +81,61 @@ public final class WorkerPool: Sendable {
 
     /// Lets the threads finish queued work and exit.
     public func shutdown() {
-        queue.withLock { $0.stopping = true }
-        for _ in 0..<threads.withLock({ $0 }) { wake.signal() }
+        let threads = state.withLock { s -> Int in
+            s.stopping = true
+            return s.threads
+        }
+        for _ in 0..<threads { wake.signal() }
+    }
+
+    private func start(_ index: Int) {
+        let t = Thread { [self] in self.run() }
+        t.name = "\(name)-\(index)"
+        t.stackSize = 1 << 20
+        t.start()
+    }
+
+    private enum Next {
+        case run(@Sendable () -> Void)
+        case wait
+        case exit
     }
 
     private func run() {
         while true {
-            wake.wait()
-            let job: (@Sendable () -> Void)? = queue.withLock { q in
-                guard q.head < q.jobs.count else { return nil }
-                let j = q.jobs[q.head]
-                q.jobs[q.head] = nil  // release what the job captured (flights hold budget)
-                q.head += 1
-                q.running += 1
-                if q.head > 1024 && q.head * 2 > q.jobs.count {
-                    q.jobs.removeFirst(q.head)
-                    q.head = 0
+            let timedOut = wake.wait(timeout: .now() + idleSeconds) == .timedOut
+            let next = state.withLock { s -> Next in
+                if s.head < s.jobs.count {
+                    let job = s.jobs[s.head]!
+                    s.jobs[s.head] = nil  // release what the job captured (flights hold budget)
+                    s.head += 1
+                    s.running += 1
+                    s.idle -= 1
+                    if s.head > 1024 && s.head * 2 > s.jobs.count {
+                        s.jobs.removeFirst(s.head)
+                        s.head = 0
+                    }
+                    return .run(job)
                 }
-                return j
+                // Nothing queued: at shutdown, or after `idleSeconds` without work, this thread
+                // ends (a job submitted from now on sees one thread fewer, and starts one if
+                // no other is free).
+                if s.stopping || timedOut {
+                    s.threads -= 1
+                    s.idle -= 1
+                    return .exit
+                }
+                return .wait
             }
-            if let job {
+            switch next {
+            case .run(let job):
                 job()
-                queue.withLock { $0.running -= 1 }
-            } else if queue.withLock({ $0.stopping }) {
-                return
+                state.withLock { s in
+                    s.running -= 1
+                    s.idle += 1
+                }
+            case .wait: continue
+            case .exit: return
             }
         }
     }

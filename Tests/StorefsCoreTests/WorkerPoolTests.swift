@@ -33,4 +33,20 @@ import Testing
         pool.grow(to: 4)
         #expect(Self.runAtOnce(6, on: pool, patience: 10), "6 jobs did not run at once on a pool grown to 6")
     }
+
+    /// Threads start only when jobs come and end after `idleSeconds` without work, and come
+    /// back for the next jobs (issue 49, item 4: pools sized for the worst burst held all their
+    /// threads from first use on).
+    @Test func threadsStartWithWorkAndEndOnceIdle() {
+        let pool = WorkerPool(threads: 8, name: "test-idle", idleSeconds: 0.2)
+        defer { pool.shutdown() }
+        #expect(pool.threadCount == 0, "a pool with no work yet holds threads")
+        #expect(Self.runAtOnce(8, on: pool, patience: 10), "8 jobs did not run at once on a pool of 8")
+        #expect(pool.threadCount <= 8, "more threads than the pool allows")
+        let deadline = Date().addingTimeInterval(10)
+        while pool.threadCount > 0, Date() < deadline { usleep(10_000) }
+        #expect(pool.threadCount == 0, "idle threads did not end")
+        #expect(Self.runAtOnce(8, on: pool, patience: 10), "the pool did not start threads again")
+        #expect(!Self.runAtOnce(9, on: pool, patience: 0.5), "9 jobs ran at once on a pool of 8")
+    }
 }
