@@ -477,10 +477,17 @@ public final class Filesystem: Sendable {
 
     var probePool: WorkerPool {
         probePoolSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 16, name: "storefs-probe") }
+            if p == nil { p = WorkerPool(threads: Self.probeThreads, name: "storefs-probe") }
             return p!
         }
     }
+
+    /// Threads for a lookup's requests: its directory's first page, the metadata GET and the
+    /// "is it a directory?" list (and, over v0, the first bytes), three per lookup, for as many
+    /// lookups as the adapter runs at once (64 metadata workers). With 16, 16 lookups stalled
+    /// together queued their requests behind each other's and each took three stalls (issue 49,
+    /// item 3). The threads exist only while requests run (`WorkerPool`).
+    static let probeThreads = 3 * 64
 
     /// Names remembered beyond the kernel's references (tests).
     var rememberedPathCount: Int { known.withLock { $0.count } }
