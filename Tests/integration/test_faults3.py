@@ -11,6 +11,7 @@ count does not depend on TLS); item 10 reads from the session's fake-gcs-server 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 
 from fault_proxy import FaultProxy
 from scale_server import ScaleServer
+from storefs_testlib import vm_kib
 
 F3 = "faults3-bucket"
 STALL = 3.0
@@ -154,3 +156,101 @@ def test_threads_after_repeated_find_walks_stay_under_32_and_do_not_creep(mount,
     assert max(settled) <= SETTLED_BOUND, \
         f"threads after the walks: {settled} (bound {SETTLED_BOUND}; peak {max(peak)})"
     assert settled[-1] <= settled[0], f"threads creep walk after walk: {settled}"
+
+
+# ====================================================================== item 10: memory
+MiB = 1 << 20
+MEM_OBJECTS = [f"mem/o{i}.bin" for i in range(2)]
+MEM_SIZE = 48 * MiB
+ROUNDS = 4
+READERS = 16
+ROUND_BYTES = 160 * MiB
+BACK_WITHIN = 3.0          # seconds after the load ends
+OVER_BASELINE = 32         # MiB
+
+
+@pytest.fixture(scope="module")
+def memdata(emulator) -> dict[str, bytes]:
+    emulator.create_bucket(F3, exist_ok=True)
+    data = {}
+    for i, name in enumerate(MEM_OBJECTS):
+        data[name] = random.Random(f"mem{i}").randbytes(MEM_SIZE)
+        assert int(emulator.upload(F3, name, data[name])["size"]) == MEM_SIZE
+    return data
+
+
+def read_load(m, data: dict[str, bytes], seed: int) -> list[str]:
+    """16 readers, half sequential (runs of 8-32 MiB), half random (4 KiB-1 MiB), ROUND_BYTES
+    in all, the page cache dropped as they go so reads reach storefs; every byte checked."""
+    names = list(data)
+    errors: list[str] = []
+
+    def reader(i: int) -> None:
+        rng = random.Random(f"{seed}-{i}")
+        done, budget = 0, ROUND_BYTES // READERS
+        while done < budget and not errors:
+            name = rng.choice(names)
+            body = data[name]
+            fd = os.open(m.p(name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if i % 2 == 0:
+                    off = rng.randrange(0, MEM_SIZE, MiB)
+                    end = min(MEM_SIZE, off + rng.randint(8, 32) * MiB)
+                    while off < end and done < budget:
+                        got = os.pread(fd, MiB, off)
+                        if not got or got != body[off:off + len(got)]:
+                            errors.append(f"reader {i}: {name} at {off}: wrong bytes")
+                            return
+                        off += len(got)
+                        done += len(got)
+                else:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    for _ in range(32):
+                        n = int(2 ** rng.uniform(12, 20))
+                        off = rng.randrange(MEM_SIZE - n)
+                        if os.pread(fd, n, off) != body[off:off + n]:
+                            errors.append(f"reader {i}: {name} at {off}+{n}: wrong bytes")
+                            return
+                        done += n
+            except OSError as exc:
+                errors.append(f"reader {i}: {exc!r}")
+            finally:
+                os.close(fd)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(READERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors
+
+
+def test_memory_comes_back_within_32_mib_of_the_baseline_3_s_after_each_of_4_rounds(memdata, mount):
+    """Issue 49, item 10: 5 s after a heavy read load RSS was back to 40 MiB in one run and at
+    204 MiB in another (baseline 31): the pools let their buffers go 2-4 s after their last use,
+    depending on the phase of the 2 s tick, and that use comes up to a second after the readers
+    stop (the kernel's read-ahead of the last sequential reads is still being answered)."""
+    m = mount(F3, options=["cache_size=32M"])
+    for name in MEM_OBJECTS:
+        assert os.stat(m.p(name)).st_size == MEM_SIZE
+    time.sleep(1.0)
+    baseline = vm_kib(m.pid, "VmRSS") // 1024
+    bound = baseline + OVER_BASELINE
+    back_after, peaks, loads = [], [], []
+    for r in range(ROUNDS):
+        t0 = time.monotonic()
+        errors = read_load(m, memdata, r)
+        loads.append(round(time.monotonic() - t0, 1))
+        assert not errors, errors[:5]
+        ended = time.monotonic()
+        peaks.append(vm_kib(m.pid, "VmHWM") // 1024)
+        while vm_kib(m.pid, "VmRSS") // 1024 > bound and time.monotonic() - ended < 10:
+            time.sleep(0.05)
+        back_after.append(round(time.monotonic() - ended, 2))
+        time.sleep(max(0.0, BACK_WITHIN + 0.5 - (time.monotonic() - ended)))
+    print(f"\nbaseline {baseline} MiB, peak {max(peaks)} MiB; RSS back under {bound} MiB after "
+          f"{back_after} s in {ROUNDS} rounds of {ROUND_BYTES // MiB} MiB (each read in {loads} s)")
+    assert max(peaks) > bound + 32, f"the load never raised RSS far above the bound (peak {max(peaks)} MiB)"
+    assert max(back_after) <= BACK_WITHIN, \
+        f"RSS came back within {OVER_BASELINE} MiB of the baseline ({baseline}) only after {back_after} s"
