@@ -360,6 +360,19 @@ def test_fixture_v0_answers_metadata_from_what_it_listed_until_the_bucket_change
         firebase._upstream = upstream
 
 
+def _timed_ls_sizes(path: str, timeout: float) -> tuple[float, dict[str, int]]:
+    """(seconds `ls -ln path` took, name -> size it showed)."""
+    t0 = time.monotonic()
+    r = subprocess.run(["ls", "-ln", path], capture_output=True, text=True, timeout=timeout)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    sizes = {}
+    for line in r.stdout.splitlines()[1:]:
+        fields = line.split(None, 8)
+        sizes[fields[8]] = int(fields[4])
+    return elapsed, sizes
+
+
 def test_ls_l_of_2500_v0_files_takes_under_10_s_with_metadata_gets_in_flight_at_once(bare_mount, firebase, fbdata):
     """v0 listings carry no sizes: `ls -l` costs one metadata GET per name, fetched 16 at a
     time beside the kernel's lookups (issue 49, item 6: 17.6-18.5 s for 2,500 names, set by
@@ -368,14 +381,7 @@ def test_ls_l_of_2500_v0_files_takes_under_10_s_with_metadata_gets_in_flight_at_
     firebase.metadata_delay = 0.002         # each answer takes 2 ms, as a server's might
     m = fb_mount(bare_mount, firebase)
     firebase.reset()
-    t0 = time.monotonic()
-    r = subprocess.run(["ls", "-ln", m.p("many")], capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - t0
-    assert r.returncode == 0, r.stderr
-    sizes = {}
-    for line in r.stdout.splitlines()[1:]:
-        fields = line.split(None, 8)
-        sizes[fields[8]] = int(fields[4])
+    elapsed, sizes = _timed_ls_sizes(m.p("many"), timeout=120)
     assert sizes == {n.split("/", 1)[1]: len(n) + 1 for n in MANY}
     meta = [q for q in firebase.requests("metadata") if q.name and q.name.startswith("many/")]
     print(f"\nls -l of 2,500 v0 files: {elapsed:.1f} s, {len(meta)} metadata GETs, "
@@ -390,14 +396,7 @@ def test_ls_l_of_1000_files_is_fast_and_sizes_are_right(bare_mount, firebase, fb
     serial = _serial_metadata_latency(firebase, LS1000[:25]) * len(LS1000)
     firebase.reset()
     m = fb_mount(bare_mount, firebase)
-    t0 = time.monotonic()
-    r = subprocess.run(["ls", "-ln", m.p("ls1000")], capture_output=True, text=True, timeout=80)
-    elapsed = time.monotonic() - t0
-    assert r.returncode == 0, r.stderr
-    sizes = {}
-    for line in r.stdout.splitlines()[1:]:
-        fields = line.split(None, 8)
-        sizes[fields[8]] = int(fields[4])
+    elapsed, sizes = _timed_ls_sizes(m.p("ls1000"), timeout=80)
     assert sizes == {f"n{i:04d}.bin": _ls_size(i) for i in range(1000)}
     meta = [r for r in firebase.requests("metadata") if r.name and r.name.startswith("ls1000/")]
     assert len(meta) >= 1000, "v0 list items carry no size: one metadata GET per item"
