@@ -149,7 +149,7 @@ final class BufferPool: Sendable {
         self.bufferSize = bufferSize
         self.keep = keep
         // Idle buffers go back to the system after a load (MemoryReturn).
-        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
+        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) ?? false }
     }
 
     func take() -> UnsafeMutableRawBufferPointer {
@@ -171,13 +171,14 @@ final class BufferPool: Sendable {
         if !kept { box.pointer.deallocate() }
     }
 
-    private func releaseIfIdle(for idle: Double) {
+    private func releaseIfIdle(for idle: Double) -> Bool {
         let released = free.withLock { f -> [Box] in
             guard monotonicNow() - f.lastUse >= idle else { return [] }
             defer { f.buffers.removeAll() }
             return f.buffers
         }
         for box in released { box.pointer.deallocate() }
+        return !released.isEmpty
     }
 }
 

@@ -19,9 +19,14 @@ public enum FuseSession {
         /// Kernel mount flags: `exec`/`noexec`, `suid`/`nosuid`, `dev`/`nodev`.
         public var mountFlags: [String]
         public var maxThreads: Int
+        /// FUSE threads kept waiting for requests once a burst is over: past these, a thread
+        /// that finishes a request while this many others wait ends. libfuse's default keeps
+        /// every thread a burst made (issue 49, item 4; docs/architecture.md, "Threads").
+        public var idleThreads: Int
 
         public init(mountpoint: String, fsname: String, foreground: Bool, debug: Bool, fuseOptions: [String],
-                    mountFlags: [String] = ["exec", "nosuid", "nodev"], maxThreads: Int = 32) {
+                    mountFlags: [String] = ["exec", "nosuid", "nodev"], maxThreads: Int = 32, idleThreads: Int = 16) {
+            self.idleThreads = idleThreads
             self.mountFlags = mountFlags
             self.mountpoint = mountpoint
             self.fsname = fsname
@@ -106,6 +111,7 @@ public enum FuseSession {
 
         let config = fuse_loop_cfg_create()
         fuse_loop_cfg_set_max_threads(config, UInt32(settings.maxThreads))
+        fuse_loop_cfg_set_idle_threads(config, UInt32(settings.idleThreads))
         fuse_loop_cfg_set_clone_fd(config, 0)
         let rc = fuse_session_loop_mt(se, config)
         fuse_loop_cfg_destroy(config)

@@ -4,6 +4,12 @@ import Locking
 /// Runs a blocking function over many inputs, at most `width` at a time, on threads of our
 /// own (never Swift's two-thread cooperative pool): for the per-item metadata GETs of a v0 listing.
 enum ParallelMap {
+    /// Shared by every call: at most this many items run at once over all calls (metadata
+    /// workers sizing v0 listings side by side), and its threads end once idle, where a thread
+    /// per item and call was started before (issue 49, item 4).
+    static let threads = 64
+    static let pool = WorkerPool(threads: 1, name: "storefs-sizes", maxThreads: threads)
+
     static func run<T: Sendable, R: Sendable>(_ inputs: [T], width: Int, _ body: @escaping @Sendable (T) -> R) -> [R] {
         if inputs.isEmpty { return [] }
         let results = ResultSlots<R>(count: inputs.count)
@@ -11,12 +17,10 @@ enum ParallelMap {
         let box = IndexBox(count: inputs.count)
         for _ in 0..<min(max(1, width), inputs.count) {
             group.enter()
-            let t = Thread {
+            pool.submit {
                 while let i = box.claim() { results.set(i, body(inputs[i])) }
                 group.leave()
             }
-            t.stackSize = 512 << 10
-            t.start()
         }
         group.wait()
         return results.values

@@ -14,7 +14,10 @@ public struct WorkerPools: Sendable {
     public let prefetch: WorkerPool
     /// Connections opened ahead of need on a far link (`openConnectionsAhead`).
     public let connect: WorkerPool
-    /// A lookup's two probes and its directory's first page, and first bytes asked beside it.
+    /// A lookup's requests: its directory's first page, the metadata GET and the "is it a
+    /// directory?" list (and, over v0, the first bytes), three per lookup, for as many lookups
+    /// as the metadata pool runs at once (64). With 16, 16 lookups stalled together queued
+    /// their requests behind each other's and each took three stalls (issue 49, item 3).
     public let probe: WorkerPool
     /// Sub-directories listed ahead of `find` and `ls -R` (`list_ahead=`).
     public let listing: WorkerPool
@@ -30,7 +33,7 @@ public struct WorkerPools: Sendable {
         metadata = WorkerPool(threads: 4, name: "storefs-meta", maxThreads: 64)
         prefetch = WorkerPool(threads: 1, name: "storefs-prefetch")
         connect = WorkerPool(threads: 1, name: "storefs-connect", maxThreads: 16)
-        probe = WorkerPool(threads: 4, name: "storefs-probe", maxThreads: 16)
+        probe = WorkerPool(threads: 4, name: "storefs-probe", maxThreads: 3 * 64)
         listing = WorkerPool(threads: 4, name: "storefs-list")
         cacheWrites = WorkerPool(threads: 1, name: "storefs-cachewrite")
         namespace = WorkerPool(threads: 1, name: "storefs-ns")

@@ -178,7 +178,16 @@ _OBJECT_RE = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
 _LIST_RE = re.compile(r"^/storage/v1/b/([^/]+)/o/?$")
 
 
-class _TLSHTTPServer(http.server.ThreadingHTTPServer):
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    """socketserver's listen backlog is 5: a client that opens many connections at once (a
+    burst of lookups, each with its requests on a connection of its own) had its SYNs past the
+    fifth dropped and retried by the kernel after a second, and the fixture, not the client,
+    set the pace (measured: 16 stalled lookups, half of them a second late)."""
+
+    request_queue_size = 128
+
+
+class _TLSHTTPServer(_HTTPServer):
     """A ThreadingHTTPServer whose connections are TLS: the handshake runs in the connection's
     own thread (a slow or failing client never holds up accept), with the context the owner
     has at that moment (`LoopbackServer.tls_context`, so a test can swap it)."""
@@ -258,7 +267,7 @@ class LoopbackServer:
             self.tls_context = tls_fixture.session().server_context("server", tls_fixture.HTTP11)
         else:
             self.tls_context = None
-        cls = _TLSHTTPServer if self.tls_context is not None else http.server.ThreadingHTTPServer
+        cls = _TLSHTTPServer if self.tls_context is not None else _HTTPServer
         self._server = cls(("127.0.0.1", 0), handler)
         self._server.owner = self
         self._server.daemon_threads = True
@@ -267,7 +276,7 @@ class LoopbackServer:
         scheme = "https" if self.tls_context is not None else "http"
         self.endpoint = f"{scheme}://127.0.0.1:{self.port}"
         if self.also_plain:
-            self._plain_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            self._plain_server = _HTTPServer(("127.0.0.1", 0), handler)
             self._plain_server.daemon_threads = True
             threading.Thread(target=self._plain_server.serve_forever, name=self.thread_name + "-plain",
                              daemon=True).start()

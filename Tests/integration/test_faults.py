@@ -122,6 +122,7 @@ def upload_stream(emulator, bucket: str, name: str, pattern: Pattern) -> dict:
         body = resp.read()
     finally:
         conn.close()
+        emulator.note_change()
     assert resp.status == 200, (resp.status, body[:300])
     res = json.loads(body)
     assert int(res["size"]) == pattern.size

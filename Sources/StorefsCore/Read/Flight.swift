@@ -159,17 +159,18 @@ final class FlightBufferPool: @unchecked Sendable {
     init(regionSize: Int, keepBytes: Int) {
         self.regionSize = (regionSize + 4095) / 4096 * 4096
         self.keepBytes = keepBytes
-        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
+        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) ?? false }
     }
 
     /// Unmaps the kept regions once the pool has not been used for `idle` seconds: a load's
     /// buffers do not stay resident after it (they are mapped again, at a page fault each, on
-    /// the next load).
-    func releaseIfIdle(for idle: Double) {
+    /// the next load). True when it unmapped any.
+    @discardableResult
+    func releaseIfIdle(for idle: Double) -> Bool {
         lock.lock()
         guard now() - lastUse >= idle, !free.isEmpty else {
             lock.unlock()
-            return
+            return false
         }
         let released = free
         free.removeAll()
@@ -177,6 +178,7 @@ final class FlightBufferPool: @unchecked Sendable {
         freeBytes = 0
         lock.unlock()
         for r in released { munmap(r.region, regionSize) }
+        return true
     }
 
     deinit { for r in free { munmap(r.region, regionSize) } }
