@@ -4,6 +4,7 @@ import Glibc
 import Testing
 import StorageClient
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// Several mounts over one cache directory (docs/cache.md). Each `BlockCache` here is one
 /// mount: in one process, as the locks they take (flock, open file description locks) are
