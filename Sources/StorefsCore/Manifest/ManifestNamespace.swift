@@ -118,25 +118,23 @@ public final class ManifestNamespace: Sendable {
         for stale in old.dropFirst(indexesKept - 1) { directory.removePlainFile(stale.name) }
     }
 
-    /// The mount-relative path of a file under the mount's root (the first in a depth-first
-    /// walk, a few thousand entries at most): the start-up check reads its metadata.
+    /// The mount-relative path of a file under the mount's root (the first of a depth-first
+    /// walk that looks at 10,000 entries at most): the start-up check reads its metadata.
     public func firstFile() -> String? {
         guard let root else { return nil }
-        var path: [String] = []
-        var dir = root
+        var stack: [(dir: UInt32, path: [String])] = [(root, [])]
         var visited = 0
-        while visited < 10_000 {
+        while let (dir, path) = stack.popLast() {
             guard let range = try? index.children(of: dir) else { return nil }
-            var next: UInt32? = nil
+            var subdirectories: [(UInt32, [String])] = []
             for i in range {
                 visited += 1
-                guard visited < 10_000, let c = try? index.child(i) else { return nil }
+                guard visited <= 10_000, let c = try? index.child(i) else { return nil }
                 let name = String(decoding: index.name(c), as: UTF8.self)
                 if !c.isDirectory { return (path + [name]).joined(separator: "/") }
-                if next == nil { next = UInt32(c.value); path.append(name) }
+                subdirectories.append((UInt32(c.value), path + [name]))
             }
-            guard let n = next else { return nil }
-            dir = n
+            stack += subdirectories.reversed()
         }
         return nil
     }
