@@ -154,6 +154,7 @@ def test_deleted_and_overwritten_objects_read_as_stale_and_are_logged_once(store
     make_manifest(storefs_bin, proxy, tls, tmp_path / "m.csv", source=MB)
     emulator.upload(MB, "stale/overwritten.txt", b"generation two")
     emulator.delete(MB, "stale/deleted.txt")
+    proxy.reset()
     log = tmp_path / "storefs.log"
     m = mount(MB, endpoint=proxy.endpoint, options=[f"manifest={tmp_path / 'm.csv'}", f"log_file={log}"])
     assert read_whole(m.p("stale", "kept.txt")) == b"generation one of stale/kept.txt"
