@@ -82,7 +82,7 @@ enum ManifestCommand {
         var lastReport = started
         func line(_ p: ManifestListing.Progress) -> String {
             let t = now() - started
-            return "storefs manifest: \(p.objects) objects (\(bytesText(p.bytes))), \(p.listRequests) list requests"
+            return "storefs manifest: \(p.objects) objects (\(bytes(p.bytes))), \(p.listRequests) list requests"
                 + (p.metadataRequests > 0 ? ", \(p.metadataRequests) metadata requests" : "") + String(format: ", %.1f s", t)
         }
         do throws(ManifestError) {
@@ -117,17 +117,6 @@ enum ManifestCommand {
         _ = s.withCString { write(2, $0, strlen($0)) }
     }
 
-    private static func bytesText(_ n: Int64) -> String {
-        let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
-        var v = Double(n)
-        var u = 0
-        while v >= 1024 && u < units.count - 1 {
-            v /= 1024
-            u += 1
-        }
-        return u == 0 ? "\(n) B" : String(format: "%.1f %@", v, units[u])
-    }
-
     /// Opens (building when needed) the manifest of a mount, then checks the bucket with one
     /// metadata GET of the manifest's first object under the mount's root, no listing. An
     /// unreachable bucket mounts anyway with offline=auto (every name is in the manifest); the
@@ -146,7 +135,7 @@ enum ManifestCommand {
                 guard terminal, t - lastReport >= 1 else { return }
                 lastReport = t
                 let percent = total > 0 ? Int(done * 100 / total) : 100
-                err("\rstorefs: indexing the manifest: \(percent)% of \(bytesText(total))\u{1b}[K")
+                err("\rstorefs: indexing the manifest: \(percent)% of \(bytes(total))\u{1b}[K")
             })
             if terminal, opened.built != nil { err("\r\u{1b}[K") }
         } catch {

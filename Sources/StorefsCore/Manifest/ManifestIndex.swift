@@ -5,11 +5,16 @@ import Synchronization
 /// among one directory's children, readdir a walk along them, nothing decoded ahead of use
 /// and nothing kept as Swift objects. Shared by every thread; immutable once mapped.
 ///
-/// The mapping is a file's: pages the walks touch count in the daemon's RSS until dropped.
-/// After about `trimBytes` of them (an estimate: what was read, plus the pages the kernel
-/// maps around each fault), the mapping's pages are dropped with MADV_DONTNEED (they stay in
-/// the page cache: the next touch is a minor fault), so a `find` of 10,000,000 names does not
-/// leave the whole index (~60 bytes a name) in RSS (docs/manifest.md, "Memory").
+/// The mapping is a file's: pages the walks touch count in the daemon's RSS until dropped,
+/// and the kernel maps up to 16 pages around each one faulted in. So every `checkBytes` or
+/// so read through it (an estimate: what was read, a lookup counted as `lookupBytes`), the
+/// process's resident file-backed pages are read from /proc/self/statm, and once the mapping
+/// holds more than `residentLimit` beyond what was resident when it was mapped (the binary,
+/// libraries), its pages are dropped with MADV_DONTNEED (they stay in the page cache: the
+/// next touch is a minor fault). A `find` of 10,000,000 names therefore does not leave the
+/// whole index (~50 bytes a name) in RSS, nor pass through it (docs/manifest.md, "Memory").
+/// And once nothing has used the index for a couple of seconds, its pages go too
+/// (`releaseIfIdle`, called by MemoryReturn's trimming thread).
 final class ManifestIndex: @unchecked Sendable {
     let header: ManifestIndexFormat.Header
     private let base: UnsafeRawPointer
@@ -19,13 +24,23 @@ final class ManifestIndex: @unchecked Sendable {
     private let blob: UnsafeRawPointer
     private let directoryTable: UnsafeRawPointer
     private let childTable: UnsafeRawPointer
-    /// Bytes touched since the last trim (an estimate).
+    /// Bytes read through the mapping since RSS was last looked at (an estimate).
     private let touched = Atomic<Int>(0)
+    /// /proc/self/statm (read with pread at 0), and its shared (file-backed resident) bytes
+    /// when the index was mapped: -1 where it cannot be opened (then every check trims).
+    private let statm: Int32
+    private let residentBefore: Int
     /// Said when a bounds check fails (once).
     private let reportedDamage = Atomic<Bool>(false)
     private let onDamage: @Sendable () -> Void
 
-    static let trimBytes = 64 << 20
+    static let checkBytes = 4 << 20
+    static let residentLimit = 24 << 20
+    /// Calls of `noteTouched`, and their count when `releaseIfIdle` last looked and last let
+    /// the pages go.
+    private let uses = Atomic<Int>(0)
+    private let usesSeen = Atomic<Int>(-1)
+    private let usesReleased = Atomic<Int>(0)
     /// What one lookup is counted as: a binary search faults a few pages in, and the kernel
     /// maps up to 16 pages around each fault.
     static let lookupBytes = 256 << 10
@@ -58,9 +73,25 @@ final class ManifestIndex: @unchecked Sendable {
         self.onDamage = onDamage
         // The checksum read every page: let them go.
         _ = madvise(map, size, MADV_DONTNEED)
+        statm = open("/proc/self/statm", O_RDONLY | O_CLOEXEC)
+        residentBefore = Self.sharedBytes(statm) ?? 0
     }
 
-    deinit { munmap(UnsafeMutableRawPointer(mutating: base), length) }
+    deinit {
+        munmap(UnsafeMutableRawPointer(mutating: base), length)
+        if statm >= 0 { close(statm) }
+    }
+
+    /// The process's resident file-backed bytes (statm's third field, in pages).
+    private static func sharedBytes(_ fd: Int32) -> Int? {
+        guard fd >= 0 else { return nil }
+        var buffer = [UInt8](repeating: 0, count: 128)
+        let n = buffer.withUnsafeMutableBytes { pread(fd, $0.baseAddress, $0.count, 0) }
+        guard n > 0 else { return nil }
+        let fields = buffer[0..<n].split(separator: UInt8(ascii: " "))
+        guard fields.count >= 3, let pages = Int(String(decoding: fields[2], as: UTF8.self)) else { return nil }
+        return pages * Int(getpagesize())
+    }
 
     /// The bytes of the whole file (tests).
     var bytes: UnsafeRawBufferPointer { UnsafeRawBufferPointer(start: base, count: length) }
@@ -70,12 +101,22 @@ final class ManifestIndex: @unchecked Sendable {
         return Damaged()
     }
 
-    /// Counts bytes read through the mapping; past `trimBytes`, drops its pages from RSS.
+    /// Counts bytes read through the mapping; every `checkBytes`, drops its pages from RSS
+    /// if they hold more than `residentLimit`.
     func noteTouched(_ bytes: Int) {
-        if touched.add(bytes, ordering: .relaxed).newValue > Self.trimBytes {
-            touched.store(0, ordering: .relaxed)
-            _ = madvise(UnsafeMutableRawPointer(mutating: base), length, MADV_DONTNEED)
-        }
+        uses.add(1, ordering: .relaxed)
+        guard touched.add(bytes, ordering: .relaxed).newValue > Self.checkBytes else { return }
+        touched.store(0, ordering: .relaxed)
+        if let shared = Self.sharedBytes(statm), shared - residentBefore <= Self.residentLimit { return }
+        _ = madvise(UnsafeMutableRawPointer(mutating: base), length, MADV_DONTNEED)
+    }
+
+    /// Drops the mapping's pages from RSS if nothing used the index since the last call and
+    /// something did since they were last dropped (MemoryReturn calls it every 2 s).
+    func releaseIfIdle() {
+        let now = uses.load(ordering: .relaxed)
+        guard usesSeen.exchange(now, ordering: .relaxed) == now, usesReleased.exchange(now, ordering: .relaxed) != now else { return }
+        _ = madvise(UnsafeMutableRawPointer(mutating: base), length, MADV_DONTNEED)
     }
 
     /// The children of directory `id`: a range of child numbers.

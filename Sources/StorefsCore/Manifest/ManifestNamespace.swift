@@ -21,6 +21,8 @@ public final class ManifestNamespace: Sendable {
     /// nothing under the prefix.
     let root: UInt32?
     public let refresh: Refresh
+    // The three locks below are leaf locks: each guards its own table, and nothing else is
+    // taken or called while one is held.
     /// Directory numbers of mount-relative paths looked up lately (a walk from the root is a
     /// binary search per component): bounded, emptied when full.
     private let directoryNumbers = Mutex([ByteName: UInt32]())
@@ -91,6 +93,7 @@ public final class ManifestNamespace: Sendable {
         }
         guard let index else { throw ManifestError("the manifest index \(shownPath) cannot be read back after it was built") }
         removeOldIndexes(directory, keeping: name)
+        MemoryReturn.register { [weak index] _ in index?.releaseIfIdle() }
         let namespace = ManifestNamespace(index: index, prefix: prefix, refresh: refresh)
         return Opened(namespace: namespace, built: built, indexPath: shownPath, seconds: now() - started)
     }
