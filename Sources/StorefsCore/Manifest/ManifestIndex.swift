@@ -43,7 +43,7 @@ final class ManifestIndex: @unchecked Sendable {
     private let usesReleased = Atomic<Int>(0)
     /// What one lookup is counted as: a binary search faults a few pages in, and the kernel
     /// maps up to 16 pages around each fault.
-    static let lookupBytes = 256 << 10
+    static let lookupBytes = 1 << 20
 
     struct Damaged: Error {}
 
