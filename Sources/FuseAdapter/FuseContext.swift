@@ -136,7 +136,7 @@ struct FileInfo: @unchecked Sendable {
 }
 
 /// Reply buffers for reads: allocating ≥128 KiB per request costs 2–3× throughput here
-/// (docs/fuse-notes.md, item 5), so buffers are recycled.
+/// (docs/fuse-notes.md, item 2), so buffers are recycled.
 final class BufferPool: Sendable {
     private struct Box: @unchecked Sendable { let pointer: UnsafeMutableRawPointer }
     private struct Free: ~Copyable {

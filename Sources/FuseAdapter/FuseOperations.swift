@@ -166,7 +166,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         // O_DIRECT reads as requests of the reading thread: a signal it handles (Ctrl-C in
         // `storefs prefetch`) then reaches the daemon as an INTERRUPT. With libfuse's default
         // async direct I/O the reader sleeps uninterruptibly until the download ends
-        // (docs/fuse-notes.md, item 11).
+        // (docs/fuse-notes.md, item 5).
         conn.pointee.want &= ~UInt32(FUSE_CAP_ASYNC_DIO)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_AUTO_INVAL_DATA)
         // The kernel keeps a symlink's target in its page cache (stat_ttl bounds it, as data).
@@ -435,7 +435,7 @@ func makeOperations() -> fuse_lowlevel_ops {
         }
     }
 
-    // The block cache's capacity and free space, and names remembered (README, "df").
+    // The block cache's capacity and free space, and names remembered (README, "Stats and metrics").
     ops.statfs = { req, ino in
         let started = monotonicNow()
         let usage = context(req).fs.usage()

@@ -77,7 +77,7 @@ public enum FuseSession {
         }
 
         // Background jobs inherit SIGINT as ignored, and libfuse only installs its handlers
-        // over SIG_DFL (docs/fuse-notes.md, item 10).
+        // over SIG_DFL (docs/fuse-notes.md, item 4).
         signal(SIGINT, SIG_DFL)
         signal(SIGTERM, SIG_DFL)
         signal(SIGHUP, SIG_DFL)
@@ -89,7 +89,7 @@ public enum FuseSession {
         }
         var unmounted = false
         defer { if !unmounted { fuse_session_unmount(se) } }
-        raiseReadahead(mountpoint: settings.mountpoint)
+        raiseReadahead(mountpoint: settings.mountpoint, connection: fuse_session_fd(se))
 
         if !settings.foreground {
             // mount(8) waits for us: the parent exits here once the mount exists.
@@ -149,23 +149,38 @@ public enum FuseSession {
     }
 
     /// Writes `read_ahead_kb` of the mount's backing device so buffered sequential reads arrive
-    /// as 1 MiB requests (docs/fuse-notes.md, item 8). Best effort: needs root.
-    private static func raiseReadahead(mountpoint: String) {
+    /// as 1 MiB requests (docs/fuse-notes.md, item 3). Best effort: needs root.
+    private static func raiseReadahead(mountpoint: String, connection: Int32) {
+        if HandedInConnection.descriptor(in: mountpoint) != nil {
+            // Handed in: the mount point may not exist in this mount namespace, and stat() of
+            // the mount before the loop answers FUSE_INIT would deadlock; the connection's own
+            // device names the bdi (docs/kubernetes.md, "Read-ahead").
+            guard let device = HandedInConnection.device(of: connection) else {
+                Log.debug("cannot raise readahead: the kernel does not name the connection's device", ["fd": String(connection)])
+                return
+            }
+            writeReadahead(bdi: device)
+            return
+        }
         guard let mountinfo = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return }
         let escaped = mountpoint.replacingOccurrences(of: " ", with: "\\040")
         for line in mountinfo.split(separator: "\n").reversed() {
             let fields = line.split(separator: " ")
             guard fields.count > 4, fields[4] == escaped else { continue }
-            let path = "/sys/class/bdi/\(fields[2])/read_ahead_kb"
-            let value = "\(maxRequestSize / 1024)\n"
-            let fd = open(path, O_WRONLY)
-            if fd >= 0 {
-                _ = value.withCString { write(fd, $0, strlen($0)) }
-                close(fd)
-            } else {
-                Log.debug("cannot raise readahead at \(path): \(String(cString: strerror(errno)))")
-            }
+            writeReadahead(bdi: String(fields[2]))
             return
+        }
+    }
+
+    private static func writeReadahead(bdi: String) {
+        let path = "/sys/class/bdi/\(bdi)/read_ahead_kb"
+        let value = "\(maxRequestSize / 1024)\n"
+        let fd = open(path, O_WRONLY)
+        if fd >= 0 {
+            _ = value.withCString { write(fd, $0, strlen($0)) }
+            close(fd)
+        } else {
+            Log.debug("cannot raise readahead at \(path): \(String(cString: strerror(errno)))")
         }
     }
 }

@@ -89,35 +89,21 @@ enum StorefsMain {
         // It holds tokens and keys: no core dumps, no same-user ptrace or /proc/PID/mem.
         if !MemoryReturn.makeUndumpable() { Log.debug("prctl(PR_SET_DUMPABLE, 0) failed") }
         scrubSecretsFromCommandLine()
-        // fuse_daemonize() chdirs to "/": an absolute mountpoint is needed to unmount later.
-        guard let resolved = realpath(o.mountpoint, nil) else {
-            let err = errno
-            if err == ENOTCONN {
-                return fail("mountpoint \(o.mountpoint) is a dead FUSE mount (its daemon was killed): run fusermount3 -u \(o.mountpoint), then mount again")
+        let mountpoint: String
+        if let fd = HandedInConnection.descriptor(in: o.mountpoint) {
+            // A connection another process mounted (docs/kubernetes.md): no path to check.
+            if let problem = HandedInConnection.problem(with: fd) { return fail(problem) }
+            let ignored = o.fuseOptions + (o.nonempty ? ["nonempty"] : [])
+            if !ignored.isEmpty {
+                Log.warn("mount options are the mounter's with /dev/fd/N: these are ignored (give them to the mount that made the connection)",
+                         ["ignored": ignored.joined(separator: ",")])
             }
-            if err == ENOENT {
-                return fail("mountpoint \(o.mountpoint) does not exist: create it with mkdir -p \(o.mountpoint)")
+            mountpoint = o.mountpoint
+        } else {
+            switch checkedMountpoint(o.mountpoint, nonempty: o.nonempty) {
+            case .success(let path): mountpoint = path
+            case .failure(let refusal): return fail(refusal.message)
             }
-            return fail("mountpoint \(o.mountpoint): \(String(cString: strerror(err)))")
-        }
-        let mountpoint = String(cString: resolved)
-        free(resolved)
-        var st = stat()
-        guard stat(mountpoint, &st) == 0 else {
-            let err = errno
-            if err == ENOTCONN {
-                return fail("mountpoint \(mountpoint) is a dead FUSE mount (its daemon was killed): run fusermount3 -u \(mountpoint), then mount again")
-            }
-            return fail("mountpoint \(mountpoint): \(String(cString: strerror(err)))")
-        }
-        guard st.st_mode & S_IFMT == S_IFDIR else {
-            return fail("mountpoint \(mountpoint) is not a directory")
-        }
-        if let live = mountedAt(mountpoint) {
-            return fail("mountpoint \(mountpoint) is already a mount point (\(live)): unmount it first (umount \(mountpoint))")
-        }
-        if !o.nonempty, isNonEmptyDirectory(mountpoint) {
-            return fail("mountpoint \(mountpoint) is not empty: the mount would hide its contents; give -o nonempty to mount over it anyway")
         }
 
         let env = ProcessInfoEnvironment.current()
@@ -270,6 +256,47 @@ extension StorefsMain {
             return .failure(Problem(message: error.message))
         }
     }
+}
+
+/// Why a mount point given as a path cannot be mounted on, as one line.
+struct MountpointRefusal: Error {
+    let message: String
+}
+
+/// The absolute, checked mount point for `given`: an existing, empty (unless `nonempty`)
+/// directory that is not a mount point already nor a dead FUSE mount.
+private func checkedMountpoint(_ given: String, nonempty: Bool) -> Result<String, MountpointRefusal> {
+    // fuse_daemonize() chdirs to "/": an absolute mountpoint is needed to unmount later.
+    guard let resolved = realpath(given, nil) else {
+        let err = errno
+        if err == ENOTCONN {
+            return .failure(MountpointRefusal(message: "mountpoint \(given) is a dead FUSE mount (its daemon was killed): run fusermount3 -u \(given), then mount again"))
+        }
+        if err == ENOENT {
+            return .failure(MountpointRefusal(message: "mountpoint \(given) does not exist: create it with mkdir -p \(given)"))
+        }
+        return .failure(MountpointRefusal(message: "mountpoint \(given): \(String(cString: strerror(err)))"))
+    }
+    let mountpoint = String(cString: resolved)
+    free(resolved)
+    var st = stat()
+    guard stat(mountpoint, &st) == 0 else {
+        let err = errno
+        if err == ENOTCONN {
+            return .failure(MountpointRefusal(message: "mountpoint \(mountpoint) is a dead FUSE mount (its daemon was killed): run fusermount3 -u \(mountpoint), then mount again"))
+        }
+        return .failure(MountpointRefusal(message: "mountpoint \(mountpoint): \(String(cString: strerror(err)))"))
+    }
+    guard st.st_mode & S_IFMT == S_IFDIR else {
+        return .failure(MountpointRefusal(message: "mountpoint \(mountpoint) is not a directory"))
+    }
+    if let live = mountedAt(mountpoint) {
+        return .failure(MountpointRefusal(message: "mountpoint \(mountpoint) is already a mount point (\(live)): unmount it first (umount \(mountpoint))"))
+    }
+    if !nonempty, isNonEmptyDirectory(mountpoint) {
+        return .failure(MountpointRefusal(message: "mountpoint \(mountpoint) is not empty: the mount would hide its contents; give -o nonempty to mount over it anyway"))
+    }
+    return .success(mountpoint)
 }
 
 /// Raises the soft limit on open files to the hard one: every open file of the mount holds a

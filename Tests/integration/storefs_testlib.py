@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import datetime as _dt
 import errno
 import gzip
@@ -16,6 +17,7 @@ import http.client
 import http.server
 import json
 import os
+import pwd
 import random
 import re
 import shutil
@@ -27,6 +29,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -959,3 +962,65 @@ def vm_kib(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+# ====================================================================== mounts by descriptor
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fuse_mount(mountpoint: str, uid: int, gid: int, extra: str = "default_permissions,allow_other") -> int:
+    """What a CSI node plugin does: open /dev/fuse and mount it at `mountpoint` with fd=N for
+    user `uid`; returns the descriptor (close-on-exec: pass it on explicitly)."""
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    data = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid}" + (f",{extra}" if extra else "")
+    if _libc.mount(b"storefs", mountpoint.encode(), b"fuse.storefs",
+                   MS_RDONLY | MS_NOSUID | MS_NODEV, data.encode()) != 0:
+        err = ctypes.get_errno()
+        os.close(fd)
+        pytest.fail(f"mount(2) of /dev/fuse at {mountpoint} failed: {os.strerror(err)}", pytrace=False)
+    return fd
+
+
+# ====================================================================== other local users
+@contextlib.contextmanager
+def throwaway_user(prefix: str, needs: str):
+    """A throwaway system user with no home and no shell, named `prefix` + 8 hex digits:
+    yields (name, uid, gid); at the end every process it runs is SIGKILLed by pid and the user
+    removed. `needs` says in the failure message what wants it (root, useradd, userdel)."""
+    for tool in ("useradd", "userdel", "runuser"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} not found: {needs} another local user", pytrace=False)
+    if os.getuid() != 0:
+        pytest.fail(f"{needs} a throwaway user and mounts: run them as root", pytrace=False)
+    name = prefix + uuid.uuid4().hex[:8]
+    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                    "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=60)
+    pw = pwd.getpwnam(name)
+    try:
+        yield name, pw.pw_uid, pw.pw_gid
+    finally:
+        kill_processes_of(pw.pw_uid)
+        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+
+
+def kill_processes_of(uid: int) -> None:
+    """SIGKILL, by pid, every process `uid` runs (a throwaway user's: all of them the test's)."""
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and os.stat(f"/proc/{d}").st_uid == uid:
+                os.kill(int(d), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+
+
+def metrics_over_unix(path: str) -> bytes:
+    """The whole answer to GET /metrics from a `metrics=unix:PATH` socket."""
+    with socket.socket(socket.AF_UNIX) as c:
+        c.settimeout(10)
+        c.connect(path)
+        c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := c.recv(65536):
+            answer += chunk
+    return answer

@@ -11,7 +11,6 @@ a demo leaves behind is stopped by pid and unmounted at teardown, old code's lef
 from __future__ import annotations
 
 import os
-import pwd
 import re
 import shutil
 import signal
@@ -21,11 +20,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 
 import pytest
 
-from storefs_testlib import is_mounted, mount_entries, pid_alive, pids_with_arg, wait_pid_gone
+from storefs_testlib import (is_mounted, mount_entries, pid_alive, pids_with_arg, throwaway_user,
+                             wait_pid_gone)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "scripts", "demo")
@@ -106,30 +105,8 @@ def top(tmp_path):
 @pytest.fixture(scope="module")
 def other_user():
     """A throwaway system user with no home and no shell: (name, uid, gid)."""
-    for tool in ("useradd", "userdel", "runuser"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} not found: the demo tests need another local user", pytrace=False)
-    if os.getuid() != 0:
-        pytest.fail("the demo tests make a throwaway user and mount: run them as root", pytrace=False)
-    name = "sfdemo" + uuid.uuid4().hex[:8]
-    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                    "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=60)
-    pw = pwd.getpwnam(name)
-    try:
-        yield name, pw.pw_uid, pw.pw_gid
-    finally:
-        kill_processes_of(pw.pw_uid)
-        subprocess.run(["userdel", name], capture_output=True, timeout=60)
-
-
-def kill_processes_of(uid: int) -> None:
-    """SIGKILL, by pid, every process the throwaway user runs (all of them this module's)."""
-    for d in os.listdir("/proc"):
-        try:
-            if d.isdigit() and os.stat(f"/proc/{d}").st_uid == uid:
-                os.kill(int(d), signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
+    with throwaway_user("sfdemo", "the demo tests need") as user:
+        yield user
 
 
 def private_dir(path: str) -> str:

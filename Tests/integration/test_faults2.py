@@ -278,7 +278,7 @@ def test_sigint_ends_an_o_direct_read_queued_behind_stalled_read_workers_with_ei
 
 def test_a_python_reader_whose_sigint_handler_returns_reads_again_and_a_cached_file_still_reads(
         mount, fault_proxy, f2data):
-    """Issue 49's reproduction, explained (docs/fuse-notes.md, item 11): the INTERRUPT is
+    """Issue 49's reproduction, explained (docs/fuse-notes.md, item 5): the INTERRUPT is
     answered EINTR at once, but CPython's os.pread retries on EINTR when the handler returns
     normally (PEP 475); the retried read is not interrupted and fails with EIO after
     request_timeout, as any read of a server that never answers. Cached bytes read at once

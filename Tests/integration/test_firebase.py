@@ -1,4 +1,4 @@
-"""storefs over the Firebase Storage v0 REST API (protocol.md §2, §7), through firebase_fixture.
+"""storefs over the Firebase Storage v0 REST API (docs/protocol.md §2), through firebase_fixture.
 
 The objects live in their own bucket, `fb-bucket`: v0 reads create download tokens (they
 write to the bucket), which must never leak into the corpus bucket the GCS tests look at.

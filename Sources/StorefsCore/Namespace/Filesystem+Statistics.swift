@@ -160,7 +160,7 @@ extension Filesystem {
                                  generation: record.generation, size: record.size)
     }
 
-    /// `statfs`: the block cache's capacity and what is free in it (README, "df").
+    /// `statfs`: the block cache's capacity and what is free in it (README, "Stats and metrics").
     public struct Usage: Sendable {
         public var blockSize: Int
         public var blocks: UInt64

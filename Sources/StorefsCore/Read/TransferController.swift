@@ -231,7 +231,7 @@ struct TransferPlan: Equatable {
         // 258–276 against 155–160 MiB). Never near the server:
         // there the wait is the machine's load (a busy server, 8 readers on 2 cores), which no
         // part size shortens, and parts grown to 16 MiB took 8 readers on loopback past their
-        // memory bound (docs/architecture.md, "Adaptive transfers": Near).
+        // memory bound (docs/architecture.md, "Adaptive transfers": Size).
         if limits.fixedParts != nil || (!slowStart && clamp(parts + 1) == parts), !isNear, epochParts > 0,
            partSize < limits.maxPartSize, Int64(parts) * partSize * 2 <= limits.memoryLimit / 2 {
             let wait = epochFirstByte / Double(epochParts)
