@@ -2,7 +2,7 @@ import Glibc
 import StorageClient
 
 /// Builds a manifest's index (`ManifestIndexFormat`) without holding the manifest in memory
-/// (docs/manifest.md, "Building the index"):
+/// (docs/manifest.md, "The index"):
 ///
 /// 1. Rows are parsed one at a time; each name becomes a sort key: its path components
 ///    joined by a 0 byte, so that byte order of keys is the order of a depth-first walk in

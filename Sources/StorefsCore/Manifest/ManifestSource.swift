@@ -16,7 +16,7 @@ public struct ManifestError: Error, Sendable, CustomStringConvertible {
     public var description: String { message }
 }
 
-/// What `manifest=PATH` names, resolved to the data files to read (docs/manifest.md, "Sources"):
+/// What `manifest=PATH` names, resolved to the data files to read (docs/manifest.md, "Mounting from one"):
 ///
 /// - a data file: CSV with a header row, or JSON Lines, either optionally gzipped;
 /// - a Storage Insights report manifest (`…_manifest.json`, the file an inventory report
