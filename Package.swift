@@ -19,9 +19,10 @@ let package = Package(
         .target(name: "CCrypto", linkerSettings: [.linkedLibrary("crypto")]),
         .target(name: "CProcess"),
         // The lock order and its debug-build check (docs/architecture.md, "Threads and locks").
+        .target(name: "CZlib", linkerSettings: [.linkedLibrary("z")]),
         .target(name: "Locking", swiftSettings: strict),
         .target(name: "StorageClient", dependencies: ["Locking", "CCurl", "CCrypto", "CChecksum"], swiftSettings: strict),
-        .target(name: "StorefsCore", dependencies: ["Locking", "StorageClient", "CBlockCache", "CChecksum", "CProcess"], swiftSettings: strict),
+        .target(name: "StorefsCore", dependencies: ["Locking", "StorageClient", "CBlockCache", "CChecksum", "CProcess", "CZlib"], swiftSettings: strict),
         .target(name: "FuseAdapter", dependencies: ["Locking", "StorefsCore", "CFuse3"], swiftSettings: strict),
         .executableTarget(name: "storefs", dependencies: ["FuseAdapter", "StorefsCore", "StorageClient"],
                           swiftSettings: strict),

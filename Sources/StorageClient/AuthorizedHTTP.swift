@@ -136,3 +136,11 @@ struct AuthorizedHTTP: Sendable {
         }
     }
 }
+
+extension StorageError {
+    /// This error of a start-up check of gs://`bucket`/`prefix` said the way `checkAccess`
+    /// says it (a wrong bucket, endpoint or credential, by name).
+    public func explainedForAccess(bucket: String, prefix: String, endpoint: String) -> StorageError {
+        AuthorizedHTTP.explainAccessError(self, bucket: bucket, prefix: prefix, endpoint: endpoint)
+    }
+}

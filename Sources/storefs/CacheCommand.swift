@@ -58,6 +58,9 @@ enum CacheCommand {
 
     static var versionNumber: Int { BlockCache.formatVersion }
 
+    /// Where mounts from a manifest keep its index (docs/manifest.md).
+    static let manifestIndexes = "mf-v1"
+
     /// A mount using a cache: from its slot file (`mounts-v1/NNN`), or for an older storefs
     /// version, which holds the cache alone (`older`), from `v1/.lock`.
     struct Holder {
@@ -158,10 +161,12 @@ enum CacheCommand {
         let shown = Log.escaped(dir)
         let blocks = tally(fd, "v\(versionNumber)", remove: false)
         let namespace = tally(fd, "ns-v1", remove: false)
+        let manifests = tally(fd, manifestIndexes, remove: false)
         print("cache \(shown)")
-        print("  format:    v\(versionNumber) block files, ns-v1 namespace")
+        print("  format:    v\(versionNumber) block files, ns-v1 namespace, \(manifestIndexes) manifest indexes")
         print("  objects:   \(blocks.files) cached object generations, \(bytes(blocks.bytes)) on disk (\(blocks.bytes) bytes)")
         print("  namespace: \(namespace.files) stored source(s), \(bytes(namespace.bytes))")
+        print("  manifests: \(manifests.files) index(es), \(bytes(manifests.bytes))")
         let using = holders(fd)
         if using.isEmpty {
             print("  cap:       set when mounted (cache_size=); the default here now is \(bytes(CacheLocation.defaultSize(directory: dir)))")
@@ -202,7 +207,8 @@ enum CacheCommand {
             if lockFile < 0 || flock(lockFile, LOCK_EX | LOCK_NB) == 0 {
                 let blocks = tally(fd, "v\(versionNumber)", remove: true)
                 let namespace = tally(fd, "ns-v1", remove: true)
-                print("cleared \(shown): \(blocks.files) cached objects and \(namespace.files) stored namespace(s), \(bytes(blocks.bytes + namespace.bytes)) freed")
+                let manifests = tally(fd, manifestIndexes, remove: true)
+                print("cleared \(shown): \(blocks.files) cached objects, \(namespace.files) stored namespace(s) and \(manifests.files) manifest index(es), \(bytes(blocks.bytes + namespace.bytes + manifests.bytes)) freed")
                 return 0
             }
         }

@@ -93,14 +93,19 @@ public struct MountOptions: Sendable, Equatable {
     public var metricsBindAny = false
     /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
     public var fuseOptions: [String] = []
+    /// `manifest=PATH`: names, sizes and generations from a manifest, with no list request
+    /// (docs/manifest.md); `manifest_refresh=` says whether directories still follow the bucket.
+    public var manifest: String?
+    public var manifestRefresh = ManifestNamespace.Refresh.never
 
     public enum Command: Sendable, Equatable {
         case help
         case version
         case mount(MountOptions)
-        /// `storefs prefetch …` and `storefs cache …`: the arguments after the word.
+        /// `storefs prefetch …`, `storefs cache …` and `storefs manifest …`: the arguments after the word.
         case prefetch([String])
         case cache([String])
+        case manifest([String])
     }
 
     public struct ParseError: Error, Sendable, Equatable, CustomStringConvertible {
@@ -121,6 +126,7 @@ public struct MountOptions: Sendable, Equatable {
         usage: storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT
                storefs prefetch [-j N] PATH...        (warm the block cache through a mount)
                storefs cache status|clear [--force] [CACHE_DIR]
+               storefs manifest [--format csv|jsonl] [--gzip] [-o OPT,...] SOURCE > FILE
                storefs --help | --version
 
         Mounts a Google Cloud Storage / Firebase Storage bucket as a read-only filesystem.
@@ -161,6 +167,11 @@ public struct MountOptions: Sendable, Equatable {
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
           -o offline=auto    mount an unreachable bucket from the namespace stored in the cache (auto, default)
                              or fail at once (never)
+          -o manifest=PATH   names, sizes and generations from a manifest (storefs manifest, or a Storage
+                             Insights inventory report: a file, its _manifest.json, or a directory of shards),
+                             with no list request; indexed once into cache_dir
+          -o manifest_refresh=M  never (default: the manifest is the truth) or list (a directory opened is
+                             listed, and follows the bucket from then on)
           -o metadata_cache_size=N  names remembered beyond what the kernel holds: listing entries
                              and looked-up paths, each at most N, ~100 bytes a name (default 262144)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
@@ -178,15 +189,26 @@ public struct MountOptions: Sendable, Equatable {
           -o noexec,nosuid,nodev / exec,suid,dev  kernel mount flags (default exec,nosuid,nodev)
           -o nonempty        mount over a non-empty directory (hiding its contents)
         mount(8) options such as rw, ro, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
-        A bucket named prefetch or cache is written gs://prefetch, gs://cache. See storefs(8).
+        A bucket named prefetch, cache or manifest is written gs://prefetch, gs://cache, gs://manifest. See storefs(8).
         """
 
     public static func parse(arguments: [String], environment: [String: String]) throws(ParseError) -> Command {
         switch arguments.first {
         case "prefetch": return .prefetch(Array(arguments.dropFirst()))
         case "cache": return .cache(Array(arguments.dropFirst()))
+        case "manifest": return .manifest(Array(arguments.dropFirst()))
         default: break
         }
+        return try parse(arguments: arguments, environment: environment, mountpoint: true)
+    }
+
+    /// The arguments of `storefs manifest` (after its own flags): the mount's `-o` options
+    /// and SOURCE, no mountpoint. `.mount` carries them (with an empty mountpoint).
+    public static func parseManifestCommand(arguments: [String], environment: [String: String]) throws(ParseError) -> Command {
+        try parse(arguments: arguments, environment: environment, mountpoint: false)
+    }
+
+    private static func parse(arguments: [String], environment: [String: String], mountpoint needsMountpoint: Bool) throws(ParseError) -> Command {
         var positionals: [String] = []
         var optionItems: [String] = []
         var foreground = false
@@ -214,6 +236,14 @@ public struct MountOptions: Sendable, Equatable {
                 }
             }
             i += 1
+        }
+        if !needsMountpoint {
+            let usage = "usage: storefs manifest [--format csv|jsonl] [--gzip] [-o OPT,...] SOURCE > FILE"
+            guard positionals.count == 1 else {
+                throw ParseError(message: positionals.isEmpty ? "missing SOURCE: \(usage)"
+                                 : "too many arguments (\(positionals.joined(separator: " "))): \(usage)")
+            }
+            positionals.append("")
         }
         guard positionals.count == 2 else {
             throw ParseError(message: positionals.count < 2
@@ -287,6 +317,9 @@ public struct MountOptions: Sendable, Equatable {
                     throw ParseError(message: "offline must be auto or never (got '\(value ?? "")')")
                 }
                 o.offline = v
+            case "manifest": o.manifest = try require(key, value)
+            case "manifest_refresh":
+                o.manifestRefresh = try choice(key, value, "never or list") { ManifestNamespace.Refresh(rawValue: $0.lowercased()) }
             case "metadata_cache_size":
                 o.metadataCacheSize = try integer(key, value, 1024...100_000_000, "a whole number of names from 1024 to 100000000")
             case "uid": o.uid = try id(key, value)

@@ -30,6 +30,8 @@ enum StorefsMain {
             return PrefetchCommand.run(arguments)
         case .cache(let arguments):
             return CacheCommand.run(arguments, environment: env)
+        case .manifest(let arguments):
+            return ManifestCommand.run(arguments, environment: env)
         }
     }
 
@@ -105,32 +107,11 @@ enum StorefsMain {
         }
 
         let env = ProcessInfoEnvironment.current()
-        let trust: TrustStore?
-        do {
-            trust = try TrustStore.chosen(caFile: o.caFile.map(absolute), environment: env)
-        } catch {
-            return fail(error.message)
-        }
-        if let trust { Log.debug("tls trust=\"\(trust.summary)\" http_version=\(o.httpVersion.rawValue)") }
-        let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
-                              userAgent: "storefs/\(version)", httpVersion: o.httpVersion, trust: trust)
-        let retry = RetryPolicy(budget: o.requestTimeout)
-        AuthLog.authSink = { message in Log.debug(message) }
         let store: ObjectStore
         let choice: CredentialChoice
-        do {
-            choice = try CredentialChoice.resolve(o, environment: env, http: http)
-            Log.debug("credentials=\(choice.summary) protocol=\(o.storageProtocol.rawValue) endpoint=\(o.resolvedEndpoint)")
-            switch o.storageProtocol {
-            case .gcs:
-                store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
-                                         credentials: choice.credentials, retry: retry)
-            case .firebase:
-                store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
-                                            credentials: choice.credentials, retry: retry)
-            }
-        } catch {
-            return fail(error.message)
+        switch connect(o, environment: env) {
+        case .success(let c): (store, choice) = (c.store, c.choice)
+        case .failure(let problem): return fail(problem.message)
         }
 
         // Download URLs point where the mount reads (README, "Download URLs").
@@ -154,29 +135,42 @@ enum StorefsMain {
         let namespaceKey = "\(o.storageProtocol.rawValue)\u{0}\(o.resolvedEndpoint)\u{0}\(o.source.bucket)\u{0}\(o.source.prefix)"
         // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
         // is reported here, at the prompt, not as EIO later. An unreachable bucket with a
-        // stored namespace mounts offline instead (offline=auto).
+        // stored namespace mounts offline instead (offline=auto). A mount from a manifest lists
+        // nothing: it is checked below, with the manifest's first object.
         var offlineBecause: StorageError? = nil
         var rootPage: ListPage? = nil
-        do {
-            rootPage = try store.checkAccess(prefix: o.source.rootListingPrefix)
-        } catch {
-            guard o.offline == .auto, error.code == .unreachable || error.code == .retryLimitExceeded,
-                  NamespaceStore.hasStoredNamespace(cacheDirectory: cacheDir, source: namespaceKey) else {
-                return fail(error.message)
+        if o.manifest == nil {
+            do {
+                rootPage = try store.checkAccess(prefix: o.source.rootListingPrefix)
+            } catch {
+                guard o.offline == .auto, error.code == .unreachable || error.code == .retryLimitExceeded,
+                      NamespaceStore.hasStoredNamespace(cacheDirectory: cacheDir, source: namespaceKey) else {
+                    return fail(error.message)
+                }
+                offlineBecause = error
             }
-            offlineBecause = error
         }
         // Every thread the daemon runs comes from these pools, made here once; none starts
         // before its first job, after daemonizing.
         let pools = WorkerPools()
         let cache: BlockCache
-        let namespace: NamespaceStore
+        let namespace: NamespaceStore?
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
                                    blockSize: o.blockSize, directWrites: o.cacheIO == .direct)
-            namespace = try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey, writer: pools.namespace)
+            namespace = o.manifest == nil ? try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey, writer: pools.namespace) : nil
         } catch {
             return fail(error.message)
+        }
+        var manifest: ManifestNamespace? = nil
+        if let path = o.manifest {
+            switch ManifestCommand.openForMount(absolute(path), o, cacheDirectory: cacheDir, store: store) {
+            case .success(let (opened, unreachable)):
+                manifest = opened
+                offlineBecause = unreachable
+            case .failure(let problem):
+                return fail(problem.message)
+            }
         }
         var metrics: MetricsServer? = nil
         if let address = o.metrics {
@@ -194,7 +188,7 @@ enum StorefsMain {
                                                memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites,
                                                adaptive: o.parallel == nil),
                                  pools: pools)
-        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace)
+        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace, manifest: manifest)
         if let offlineBecause {
             fs.startOffline(offlineBecause)
             Log.warn("\(offlineBecause.message): mounting offline from what \(cacheDir) holds (offline=auto); uncached reads fail with EIO until the bucket answers")
@@ -220,6 +214,50 @@ enum StorefsMain {
             })
         } catch {
             return fail(error.message)
+        }
+    }
+}
+
+extension StorefsMain {
+    /// What a command reads SOURCE through.
+    struct Connection {
+        var store: ObjectStore
+        var choice: CredentialChoice
+    }
+
+    struct Problem: Error {
+        let message: String
+    }
+
+    /// The store of `o`'s SOURCE, endpoint and credentials (README, "Which credentials a mount
+    /// uses"): the mount's and `storefs manifest`'s.
+    static func connect(_ o: MountOptions, environment env: [String: String]) -> Result<Connection, Problem> {
+        let trust: TrustStore?
+        do {
+            trust = try TrustStore.chosen(caFile: o.caFile.map(absolute), environment: env)
+        } catch {
+            return .failure(Problem(message: error.message))
+        }
+        if let trust { Log.debug("tls trust=\"\(trust.summary)\" http_version=\(o.httpVersion.rawValue)") }
+        let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
+                              userAgent: "storefs/\(version)", httpVersion: o.httpVersion, trust: trust)
+        let retry = RetryPolicy(budget: o.requestTimeout)
+        AuthLog.authSink = { message in Log.debug(message) }
+        do {
+            let choice = try CredentialChoice.resolve(o, environment: env, http: http)
+            Log.debug("credentials=\(choice.summary) protocol=\(o.storageProtocol.rawValue) endpoint=\(o.resolvedEndpoint)")
+            let store: ObjectStore
+            switch o.storageProtocol {
+            case .gcs:
+                store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
+                                         credentials: choice.credentials, retry: retry)
+            case .firebase:
+                store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
+                                            credentials: choice.credentials, retry: retry)
+            }
+            return .success(Connection(store: store, choice: choice))
+        } catch {
+            return .failure(Problem(message: error.message))
         }
     }
 }
@@ -280,7 +318,7 @@ private func raiseDescriptorLimit() {
 }
 
 /// `path` made absolute against the working directory (the daemon later runs in `/`).
-private func absolute(_ path: String) -> String {
+func absolute(_ path: String) -> String {
     if path.hasPrefix("/") { return path }
     guard let cwd = getcwd(nil, 0) else { return path }
     defer { free(cwd) }

@@ -655,14 +655,17 @@ class MountManager:
     """The `mount` fixture: starts storefs instances and always cleans them up.
 
     Call it: `m = mount(source="test-bucket", options=["stat_ttl=5"], endpoint=None,
-    foreground=True, mountpoint=None, cwd=None, cache_dir=None, ca_file=AUTO)` (cache_dir:
-    reuse an earlier mount's `m.cache_dir`; default a fresh empty one). ca_file: AUTO adds
+    foreground=True, mountpoint=None, cwd=None, cache_dir=None, ca_file=AUTO,
+    mount_timeout=MOUNT_TIMEOUT_S)` (cache_dir: reuse an earlier mount's `m.cache_dir`;
+    default a fresh empty one; mount_timeout: for mounts that do work of their own first, such
+    as indexing a manifest). ca_file: AUTO adds
     `ca_file=<the session CA>` when the endpoint (or an `auth_endpoint=`) is https and the
     options name no `ca_file=` themselves; None adds nothing (a test of what storefs trusts
     without it); a path adds `ca_file=PATH`. `argv(...)` applies the same rule. Teardown unmounts every instance
     (fusermount3 -u, wait by pid up to 10 s, SIGKILL by pid, umount -l if still listed).
     A watchdog kills this test's storefs processes after WATCHDOG_S so a hung FUSE call
-    fails the test instead of hanging the suite.
+    fails the test instead of hanging the suite (`extend_watchdog(seconds)` for a test that
+    is long on purpose).
     """
 
     def __init__(self, emulator_endpoint: str, bin_path: str, ca_file: str | None = None) -> None:
@@ -677,6 +680,13 @@ class MountManager:
         self._watchdog.start()
         self._lock = threading.Lock()
         self._n = 0
+
+    def extend_watchdog(self, seconds: float) -> None:
+        """The watchdog fires `seconds` from now instead."""
+        self._watchdog.cancel()
+        self._watchdog = threading.Timer(seconds, self._fire_watchdog)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     def new_dir(self, name: str) -> str:
         with self._lock:
@@ -709,7 +719,7 @@ class MountManager:
     def __call__(self, source: str = BUCKET, *, options=(), endpoint: str | None = None,
                  foreground: bool = True, mountpoint: str | None = None,
                  cwd: str | None = None, preexec_fn=None, cache_dir: str | None = None,
-                 ca_file=AUTO) -> Mount:
+                 ca_file=AUTO, mount_timeout: float = MOUNT_TIMEOUT_S) -> Mount:
         mnt = mountpoint or self.new_dir("mnt")
         abs_mnt = os.path.normpath(os.path.join(cwd or os.getcwd(), mnt))
         argv, cache_dir = self.argv(source, mnt, endpoint=endpoint, options=options,
@@ -721,21 +731,21 @@ class MountManager:
         m = Mount(abs_mnt, cache_dir, argv, proc, err_path,
                   pid=proc.pid if foreground else None, foreground=foreground)
         self.mounts.append(m)
-        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        deadline = time.monotonic() + mount_timeout
         if foreground:
             while not is_mounted(abs_mnt):
                 if proc.poll() is not None:
                     pytest.fail(f"storefs exited with {proc.returncode} before mounting "
                                 f"{abs_mnt}\nargv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{abs_mnt} not mounted after {MOUNT_TIMEOUT_S:.0f} s\n"
+                    pytest.fail(f"{abs_mnt} not mounted after {mount_timeout:.0f} s\n"
                                 f"argv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
                 time.sleep(0.02)
         else:
             try:
-                rc = proc.wait(timeout=MOUNT_TIMEOUT_S)
+                rc = proc.wait(timeout=mount_timeout)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"storefs (no -f) did not return within {MOUNT_TIMEOUT_S:.0f} s\n"
+                pytest.fail(f"storefs (no -f) did not return within {mount_timeout:.0f} s\n"
                             f"argv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
             if rc != 0:
                 pytest.fail(f"storefs (no -f) exited {rc}\nargv: {argv}\nstderr:\n{m.stderr()}",
@@ -816,7 +826,7 @@ class MountManager:
         if not any(is_mounted(m.path) for m in self.mounts):
             shutil.rmtree(self.tmp, ignore_errors=True)
         if self.watchdog_fired:
-            problems.insert(0, f"watchdog: the test held its mounts over {WATCHDOG_S:.0f} s; "
+            problems.insert(0, "watchdog: the test held its mounts too long; "
                                "storefs was killed")
         return problems
 

@@ -409,6 +409,39 @@ final class CacheDirectory: Sendable {
         return true
     }
 
+    /// A new file under the version directory, opened read-write, with a temporary name of
+    /// its own (`name.tmpPID-RANDOM`, which `removeTemporaryPlainFiles` clears after a crash).
+    /// `commitTemporary` renames it into place; `unlinked` removes the name at once (a scratch
+    /// file nobody else can open, gone when closed). nil and errno on failure.
+    func createTemporary(for name: String, unlinked: Bool = false) -> (fd: Int32, name: String)? {
+        let temp = "\(name).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        let fd = openat(versionFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        guard fd >= 0 else { return nil }
+        if unlinked { unlinkat(versionFD, temp, 0) }
+        return (fd, temp)
+    }
+
+    /// Renames a file made by `createTemporary` to `name` (replacing what was there).
+    func commitTemporary(_ temp: String, as name: String) -> Bool {
+        renameat(versionFD, temp, versionFD, name) == 0
+    }
+
+    /// Removes `name` directly under the version directory (the name only).
+    func removePlainFile(_ name: String) {
+        unlinkat(versionFD, name, 0)
+    }
+
+    /// Regular files directly under the version directory whose names end in `suffix`, with
+    /// their modification times (seconds).
+    func plainFiles(endingWith suffix: String) -> [(name: String, mtime: Int)] {
+        entries(of: versionFD).compactMap { name, _ in
+            guard name.hasSuffix(suffix) else { return nil }
+            var st = stat()
+            guard fstatat(versionFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0, st.st_mode & S_IFMT == S_IFREG else { return nil }
+            return (name, st.st_mtim.tv_sec)
+        }
+    }
+
     /// Removes temporary files a crashed `replacePlainFile` left: all of them (`all`, nobody
     /// else uses the directory), else those older than `temporaryAge` (another mount may be
     /// writing one now).

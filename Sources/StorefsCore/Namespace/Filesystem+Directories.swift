@@ -13,6 +13,7 @@ extension Filesystem {
     /// one listing.
     public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> OpenedDirectory {
         let path = try directoryPath(inode)
+        if let handle = try manifestDirectoryHandle(path, inode) { return OpenedDirectory(handle: handle) }
         var cached = freshSnapshot(path)
         if cached == nil, health.outage != nil { cached = try fullListing(path, network: network) }
         if let snapshot = cached {
@@ -110,6 +111,8 @@ extension Filesystem {
                 let n = min(names.count - from, max(0, wanted - max(0, 2 - start)))
                 listed = (from..<(from + n)).map { (names[$0], snapshot.listing.entries[$0]) }
             }
+        case .manifest(let dir):
+            listed = try dir.entries(from: max(0, start - 2), limit: max(0, wanted - max(0, 2 - start)))
         case .stream(let stream):
             let dots = max(0, 2 - start)
             if wanted > dots {
@@ -437,23 +440,28 @@ extension Filesystem {
 /// arrives.
 typealias ListingFlight = ListingStream
 
-/// What an open directory handle reads: a whole listing, or one still arriving.
+/// What an open directory handle reads: a whole listing, one still arriving, or a
+/// directory of the manifest's index.
 enum DirectorySource: Sendable {
     case snapshot(ListingSnapshot)
     case stream(ListingStream)
+    case manifest(ManifestDirectory)
 
     func entry(at index: Int) -> (String, DirectoryListing.Entry)? {
         switch self {
         case .snapshot(let s): return index < s.listing.count ? (s.listing.names[index], s.listing.entries[index]) : nil
         case .stream(let st): return st.entry(at: index)
+        case .manifest(let dir): return dir.entry(at: index)
         }
     }
 
-    /// When the listing's first page was asked for (nil while it is arriving).
+    /// When the listing's first page was asked for (nil while it is arriving; for the
+    /// manifest, never too long ago: it does not expire).
     var fetched: Double? {
         switch self {
         case .snapshot(let s): return s.fetched
         case .stream(let st): return st.snapshot?.fetched
+        case .manifest: return .infinity
         }
     }
 }

@@ -86,6 +86,8 @@ extension Filesystem {
             }
             if error.code == .cancelled {
                 Log.debug("op=read object=\(meta.name) offset=\(offset) interrupted")
+            } else if let manifest, error.code == .generationChanged || error.code == .notFound {
+                manifest.noteGone(meta.name, generation: meta.generation)  // once per object
             } else {
                 Log.warn("read failed", ["op": "read", "object": meta.name, "gen": String(meta.generation),
                                          "offset": String(offset), "error": error.message])

@@ -98,12 +98,16 @@ public final class Filesystem: Sendable {
 
     /// The namespace on disk (nil: none, as in tests without a cache).
     let stored: NamespaceStore?
+    /// The manifest the mount was made from (`-o manifest=`), asked before anything else
+    /// (Filesystem+Manifest.swift); nil: none.
+    let manifest: ManifestNamespace?
 
     /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its
     /// cache, and the namespace stored beside it, which is loaded here: what it holds answers
     /// only while the bucket cannot (`lastKnown`), as if learnt long ago.
     public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil,
-                namespace: NamespaceStore? = nil) {
+                namespace: NamespaceStore? = nil, manifest: ManifestNamespace? = nil) {
+        self.manifest = manifest
         self.store = store
         self.reference = reference
         self.config = config
@@ -283,6 +287,7 @@ public final class Filesystem: Sendable {
     /// `skipInode` is the inode being refreshed (its own record is what is stale).
     func resolve(path: String, parentPath: String, name: String, network: Network,
                  skipInode: UInt64? = nil) throws(FilesystemError) -> (Node.Kind, Double) {
+        if let answer = try manifestAnswer(path, parentPath: parentPath, name: name) { return answer }
         let t = now()
         let key = ByteName(path)
         if let snapshot = freshSnapshot(parentPath) {
