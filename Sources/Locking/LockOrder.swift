@@ -182,6 +182,41 @@ extension LockLevel {
     // across the re-download after a crc32c mismatch (network).
     public static let integrityDecision = LockLevel(20, "ObjectIntegrity.decision")
 
+    // The namespace (Sources/StorefsCore/Namespace, Manifest): leaves of one another, never
+    // held while a lock of another layer is taken but the caller's cancellation check's.
+    // The stored namespace's log is held across its disk I/O.
+    public static let namespaceLog = LockLevel(50, "NamespaceStore.log")
+    public static let namespaceWritten = LockLevel(52, "NamespaceStore.written")
+    public static let listingFlights = LockLevel(54, "Filesystem.listingFlights")
+    public static let handles = LockLevel(55, "Filesystem.handles")
+    public static let inodeTable = LockLevel(56, "Filesystem.table")
+    public static let knownPaths = LockLevel(57, "Filesystem.known")
+    public static let listings = LockLevel(58, "Filesystem.listings")
+    public static let fullMetadata = LockLevel(59, "Filesystem.fullMetadata")
+    public static let firstPages = LockLevel(60, "Filesystem.firstPages")
+    public static let shadowLogged = LockLevel(61, "Filesystem.shadowLogged")
+    public static let nameChanged = LockLevel(62, "Filesystem.nameChanged")
+    public static let listingStream = LockLevel(63, "ListingStream.condition")
+    public static let lookupRace = LockLevel(64, "LookupRace.condition")
+    public static let callerCancellation = LockLevel(65, "CallerCancellation.lock")
+    public static let manifestDirectories = LockLevel(66, "ManifestNamespace.directoryNumbers")
+    public static let manifestListed = LockLevel(67, "ManifestNamespace.listed")
+    public static let manifestGoneLogged = LockLevel(68, "ManifestNamespace.goneLogged")
+
+    // The block cache, in the order Cache/BlockCache.swift states with what each guards and
+    // which are held across disk I/O (and, across mounts of one directory, docs/cache.md).
+    // Taken under the integrity decision, never under the read path's bookkeeping.
+    public static let cacheCreating = LockLevel(70, "BlockCache.creating")
+    public static let cacheObjectWriting = LockLevel(72, "CachedObject.writing")
+    public static let cacheEvicting = LockLevel(74, "BlockCache.evicting")
+    public static let cacheObjectIndexWriting = LockLevel(76, "CachedObject.indexWriting")
+    public static let cacheState = LockLevel(78, "BlockCache.state")
+    public static let cacheObjectState = LockLevel(80, "CachedObject.state")
+    public static let cacheDirectories = LockLevel(82, "BlockCache.directories")
+    public static let cacheOpenFiles = LockLevel(84, "BlockCache.openFiles")
+    public static let sharedCacheAgreed = LockLevel(86, "SharedCache.agreed")
+    public static let cacheWriterRoom = LockLevel(88, "CacheWriter.room")
+
     // The read path's bookkeeping (no I/O under any of them).
     public static let flightTables = LockLevel(100, "BlockReader.tables")
     public static let flightEntries = LockLevel(102, "FlightTable.entries")

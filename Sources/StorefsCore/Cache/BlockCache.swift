@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import StorageClient
@@ -14,7 +15,8 @@ import Synchronization
 // `CachedObject+Eviction.swift` dropping its blocks, and
 // `CachedObject+Integrity.swift` the whole-object check's state (docs/integrity.md).
 //
-// LOCK ORDER (the cache's part; a thread holding one may take only those below it):
+// LOCK ORDER (the cache's part, ranks 70-88 of the one order in Sources/Locking/LockOrder.swift,
+// checked in debug builds; a thread holding one may take only those below it):
 //
 //   1. BlockCache.creating          (NSLock)  one file creator, recovery or clear at a time
 //   2. CachedObject.writing         (NSLock)  one buffered store per file
@@ -79,7 +81,7 @@ public final class BlockCache: Sendable {
     }
     /// Guards `files` (replaced by recovery) and `v1/.lock`'s descriptor. Level 8 of the lock
     /// order; held across `CacheDirectory.openFile`'s openat.
-    let directories: Mutex<Directories>
+    let directories: OrderedMutex<Directories>
     /// A descriptor of `cache_dir` itself, locked (shared flock) for the life of the process:
     /// `storefs cache clear` and older storefs versions take it exclusively, so neither runs
     /// beside a mount. The lock is released when the process ends, and survives
@@ -94,24 +96,24 @@ public final class BlockCache: Sendable {
     /// Guards the objects known and the pause. Level 6; taken under a store's `writing`
     /// (`tracks`), never while an object's `state` is held. Held across disk I/O only while
     /// eviction removes empty files.
-    let state = Mutex(State())
+    let state = OrderedMutex(.cacheState, State())
     /// Objects whose cache file is open now, and how many may be: other users of an
     /// `allow_other` mount choose how many files are open, so the open count does not decide
     /// the descriptor count. Past `maxOpenFiles`, the least recently used files that no
     /// operation is using let their descriptors go; they are opened again on their next use
     /// (docs/security.md, "Local users on an allow_other mount"). Level 9, a leaf: never held
     /// while an object's lock is taken, and no lock is taken under it.
-    private let openFiles = Mutex([ObjectIdentifier: CachedObject]())
+    private let openFiles = OrderedMutex(.cacheOpenFiles, [ObjectIdentifier: CachedObject]())
     let maxOpenFiles: Int
     /// One creator of a cache file at a time in this mount (two first opens of one object
     /// make one file), and recovery and `clear` beside them. Level 1, the outermost; held
     /// across the file's creation and clear's eviction (disk I/O). Creators in other mounts
     /// are told apart by the file system (`CacheDirectory.createFile` never renames over a
     /// file another made).
-    let creating = NSLock()
+    let creating = OrderedLock(.cacheCreating)
     /// One eviction at a time in this mount (then the evictor lock across mounts). Level 3;
     /// held across the whole eviction's disk I/O.
-    let evicting = NSLock()
+    let evicting = OrderedLock(.cacheEvicting)
     static let degradedSeconds = 30.0
 
     /// Opens (creating with mode 0700) the cache directory, joins the mounts using it, and
@@ -154,7 +156,7 @@ public final class BlockCache: Sendable {
             Glibc.close(topLock)
             throw FilesystemError(.invalidArgument, error.message)
         }
-        directories = Mutex(Directories(files: files, lockFD: lockFD))
+        directories = OrderedMutex(.cacheDirectories, Directories(files: files, lockFD: lockFD))
         loadExisting()
     }
 

@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Synchronization
 
@@ -23,7 +24,7 @@ public enum CacheWrites: String, Sendable {
 final class CacheWriter: @unchecked Sendable {
     let maxBacklog: Int64
     private var backlog: Int64 = 0
-    private let room = NSCondition()
+    private let room = OrderedCondition(.cacheWriterRoom)
     /// The one thread that writes (`WorkerPools.cacheWrites`).
     private let thread: WorkerPool
     private let skippedBytes = Atomic<Int64>(0)

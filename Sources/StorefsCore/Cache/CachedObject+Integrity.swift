@@ -46,7 +46,7 @@ extension CachedObject {
     /// read: an atomic, not the state lock its readers share.
     var servedWrongEpoch: Int { servedWrong.load(ordering: .acquiring) }
 
-    /// An end-to-end check of a completing download (`BlockReader.completeAndCheck`) begins:
+    /// An end-to-end check of a completing download (`ObjectIntegrity.landed`) begins:
     /// from now until `endCheck`, bytes read from this file may be that download's, unchecked.
     /// Readers take `checkEpoch` and `isChecking` before they copy and look again after: a read
     /// that overlapped a check waits for it and honours its verdict (docs/integrity.md).

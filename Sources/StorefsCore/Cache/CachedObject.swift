@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import Synchronization
@@ -83,7 +84,7 @@ final class CachedObject: Sendable {
     /// `state`; takes only `BlockCache.directories` (`CacheDirectory.openFile`). Held across
     /// disk I/O only in `open` (the first open's openat and `trimAllocation`) and `close`
     /// (punching unused allocation, futimens, close).
-    let state: Mutex<State>
+    let state: OrderedMutex<State>
     let servedWrong = Atomic<Int>(0)
     let checksBegun = Atomic<Int>(0)
     let checksRunning = Atomic<Int>(0)
@@ -96,7 +97,7 @@ final class CachedObject: Sendable {
     /// shared inode lock (docs/architecture.md, "Cache writes").
     /// Level 2 of the lock order; held across the buffered data and index writes and the
     /// eviction `reserve` may run for their room (other objects' levels 3 and 5).
-    let writing = NSLock()
+    let writing = OrderedLock(.cacheObjectWriting)
     /// Index entries are written under this lock, one write at a time per file: a page built
     /// from memory (`writeEntryPages`) holds every entry set before it, and no entry is
     /// written after a page built without it. Beside direct data writes, entries are set in
@@ -108,7 +109,7 @@ final class CachedObject: Sendable {
     /// (`commitIndex`; outside a store, `letGoOfIndexWriting`).
     /// Level 3 of the lock order; held across index page writes (and the index's first
     /// fallocate) and across eviction's entry write and hole punches in this file.
-    let indexWriting = NSLock()
+    let indexWriting = OrderedLock(.cacheObjectIndexWriting)
     let indexWriteCount = Atomic<Int>(0)
 
     init(cache: BlockCache, format: CacheFileFormat, hex: String, path: String, index: BlockIndex, inode: ino_t) {
@@ -118,7 +119,7 @@ final class CachedObject: Sendable {
         self.path = path
         self.inode = inode
         bucket = SharedCache.bucket(hex)
-        state = Mutex(State(index: index))
+        state = OrderedMutex(.cacheObjectState, State(index: index))
     }
 
     /// The header and index pages, counted against the cap. The index region is sparse: a huge

@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import Synchronization
@@ -70,7 +71,7 @@ final class SharedCache: @unchecked Sendable {
     private let ownBlockSize: Int
     /// The cap every mount keeps to: the smallest of the live mounts' (`capacity`), and when
     /// it was worked out (seconds, monotonic) and at which `joins`.
-    private let agreed: Mutex<(capacity: Int64, at: Double, joins: Int64, live: [Int])>
+    private let agreed: OrderedMutex<(capacity: Int64, at: Double, joins: Int64, live: [Int])>
     static let recheckSeconds = 10.0
 
     struct Refused: Error {
@@ -162,7 +163,7 @@ final class SharedCache: @unchecked Sendable {
         cblockcache_atomic_store(Self.slotWord(mapped, slot, .pid), Int64(getpid()))
         joinedAt = cblockcache_atomic_add(Self.word(mapped, Header.joins.rawValue), 1)
         sharedSeen.store(!live.isEmpty, ordering: .relaxed)
-        agreed = Mutex((capacity, 0, joinedAt, live))
+        agreed = OrderedMutex(.sharedCacheAgreed, (capacity, 0, joinedAt, live))
         _ = refreshMembers(force: true)
     }
 

@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import StorageClient
@@ -25,11 +26,11 @@ public final class ManifestNamespace: Sendable {
     // taken or called while one is held.
     /// Directory numbers of mount-relative paths looked up lately (a walk from the root is a
     /// binary search per component): bounded, emptied when full.
-    private let directoryNumbers = Mutex([ByteName: UInt32]())
+    private let directoryNumbers = OrderedMutex(.manifestDirectories, [ByteName: UInt32]())
     /// `manifest_refresh=list`: directories opened (now served from their listings).
-    private let listed = Mutex(Set<UInt32>())
+    private let listed = OrderedMutex(.manifestListed, Set<UInt32>())
     /// Objects whose manifest generation was found gone (each logged once), bounded.
-    private let goneLogged = Mutex(Set<ByteName>())
+    private let goneLogged = OrderedMutex(.manifestGoneLogged, Set<ByteName>())
 
     static let directoryNumbersKept = 4096
     static let goneLoggedKept = 65_536

@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import StorageClient
@@ -83,18 +84,18 @@ public final class Filesystem: Sendable {
     var health: BucketHealth { reader.health }
     let mountTime: Timestamp
 
-    let table = Mutex(InodeTable())
+    let table = OrderedMutex(.inodeTable, InodeTable())
     // Tables keyed by paths use ByteName: names are compared as bytes, never as Unicode.
-    let known: Mutex<MetadataCache>
-    let listings: Mutex<ListingCache>
-    let fullMetadata = Mutex(FullMetadataCache(capacity: 4096))
-    let handles = Mutex(Handles())
-    let shadowLogged = Mutex(Set<ByteName>())
-    let listingFlights = Mutex([ByteName: ListingFlight]())
+    let known: OrderedMutex<MetadataCache>
+    let listings: OrderedMutex<ListingCache>
+    let fullMetadata = OrderedMutex(.fullMetadata, FullMetadataCache(capacity: 4096))
+    let handles = OrderedMutex(.handles, Handles())
+    let shadowLogged = OrderedMutex(.shadowLogged, Set<ByteName>())
+    let listingFlights = OrderedMutex(.listingFlights, [ByteName: ListingFlight]())
     /// Entries held by listings being fetched (`Config.listingEntriesInFlightLimit`).
     let listingEntriesInFlight = Atomic<Int>(0)
-    let firstPages = Mutex(FirstPageCache())
-    let nameChanged = Mutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(nil)
+    let firstPages = OrderedMutex(.firstPages, FirstPageCache())
+    let nameChanged = OrderedMutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(.nameChanged, nil)
 
     /// The namespace on disk (nil: none, as in tests without a cache).
     let stored: NamespaceStore?
@@ -131,8 +132,8 @@ public final class Filesystem: Sendable {
                 Log.debug("namespace loaded files=\(loaded.files.count) listings=\(loaded.listings.count)")
             }
         }
-        self.known = Mutex(known)
-        self.listings = Mutex(listings)
+        self.known = OrderedMutex(.knownPaths, known)
+        self.listings = OrderedMutex(.listings, listings)
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))

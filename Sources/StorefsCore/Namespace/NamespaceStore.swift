@@ -1,3 +1,4 @@
+import Locking
 import Glibc
 import StorageClient
 import Synchronization
@@ -37,11 +38,11 @@ public final class NamespaceStore: Sendable {
 
     private let directory: CacheDirectory
     private let fileName: String
-    private let log: Mutex<Int32>
+    private let log: OrderedMutex<Int32>
     /// Its one thread (`WorkerPools.namespace`; threads start at the first record, after the
     /// daemon has forked).
     private let writer: WorkerPool
-    private let written = Mutex(Written())
+    private let written = OrderedMutex(.namespaceWritten, Written())
     private struct Written {
         var files: [ByteName: Int64] = [:]
         var listings: [ByteName: UInt64] = [:]
@@ -64,7 +65,7 @@ public final class NamespaceStore: Sendable {
         guard let fd = Self.openLog(directory, fileName, create: true) else {
             throw FilesystemError(.invalidArgument, "cannot open \(directory.versionPath)/\(fileName): \(String(cString: strerror(errno)))")
         }
-        log = Mutex(fd)
+        log = OrderedMutex(.namespaceLog, fd)
     }
 
     /// Opens the log for appending, with a shared lock held while it is open; a log another
