@@ -18,8 +18,8 @@ let package = Package(
         .target(name: "CBlockCache"),
         .target(name: "CCrypto", linkerSettings: [.linkedLibrary("crypto")]),
         .target(name: "CProcess"),
-        // The lock order and its debug-build check (docs/architecture.md, "Threads and locks").
         .target(name: "CZlib", linkerSettings: [.linkedLibrary("z")]),
+        // The lock order and its debug-build check (docs/architecture.md, "Threads and locks").
         .target(name: "Locking", swiftSettings: strict),
         .target(name: "StorageClient", dependencies: ["Locking", "CCurl", "CCrypto", "CChecksum"], swiftSettings: strict),
         .target(name: "StorefsCore", dependencies: ["Locking", "StorageClient", "CBlockCache", "CChecksum", "CProcess", "CZlib"], swiftSettings: strict),

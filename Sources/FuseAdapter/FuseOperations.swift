@@ -4,8 +4,9 @@ import StorageClient
 import StorefsCore
 
 // The low-level ops table. Each callback converts arguments, calls `Filesystem`, and replies;
-// nothing here decides semantics or errno values (those live in StorefsCore). Reads are the
-// only operation answered from another thread: they may wait on the network.
+// nothing here decides semantics or errno values (those live in StorefsCore). What may wait on
+// the network (reads that miss, lookups and listings that need the bucket) is answered from a
+// worker thread (`ReadDispatch`, `FuseContext`'s metadata pool).
 
 private func context(_ req: fuse_req_t?) -> FuseContext {
     Unmanaged<FuseContext>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()

@@ -22,8 +22,10 @@ public final class WorkerPool: Sendable {
         var idle = 0
         /// Jobs handed to a waiting thread and not yet taken: a thread woken for each.
         var wakeups = 0
-        /// The floor: threads kept once started (`grow` raises it).
+        /// The floor: threads kept once started.
         var floor: Int
+        /// The most threads at once (`grow` raises it).
+        var limit: Int
         var waiting: Int { jobs.count - head }
     }
 
@@ -34,7 +36,6 @@ public final class WorkerPool: Sendable {
     /// Jobs submitted and not yet finished (`drain` waits for none).
     private let pending = WaitGroup()
     private let name: String
-    public let maxThreads: Int
     private let idleSeconds: Double
     /// Threads started so far, over the pool's life (tests).
     private let started = Atomic<Int>(0)
@@ -42,25 +43,20 @@ public final class WorkerPool: Sendable {
     /// A pool of `threads` threads (started at the first job), growing to `maxThreads` (at
     /// least `threads`) while jobs wait with every thread busy; threads above `threads` leave
     /// after `idleSeconds` idle.
-    public init(threads: Int, name: String, maxThreads: Int? = nil, idleSeconds: Double = 10) {
+    public init(threads: Int, name: String, maxThreads: Int? = nil, idleSeconds: Double = 5) {
         self.name = name
-        self.maxThreads = max(threads, maxThreads ?? threads)
         self.idleSeconds = idleSeconds
-        state = OrderedMutex(.workerPoolState, State(floor: max(1, threads)))
+        state = OrderedMutex(.workerPoolState, State(floor: max(1, threads), limit: max(1, threads, maxThreads ?? threads)))
     }
 
-    /// Raises the threads kept to `threads` (started at once if the pool has started): a pool
-    /// never shrinks below its floor.
+    /// Raises the most threads the pool may run at once to `threads`; it never lowers it.
+    /// Threads above the floor still start only while jobs wait, and leave once idle.
     public func grow(to threads: Int) {
-        let start = state.withLock { s -> Int in
-            s.floor = max(s.floor, threads)
-            guard s.threads > 0, s.threads < s.floor else { return 0 }
-            let n = s.floor - s.threads
-            s.threads += n
-            return n
-        }
-        for _ in 0..<start { spawn() }
+        state.withLock { $0.limit = max($0.limit, threads) }
     }
+
+    /// The most threads the pool may run at once now.
+    public var maxThreads: Int { state.withLock { $0.limit } }
 
     public func submit(_ job: @escaping @Sendable () -> Void) {
         pending.enter()
@@ -75,7 +71,7 @@ public final class WorkerPool: Sendable {
                 s.wakeups += 1
                 return 0
             }
-            guard s.threads < maxThreads else { return 0 }
+            guard s.threads < s.limit else { return 0 }
             s.threads += 1
             return 1
         }
