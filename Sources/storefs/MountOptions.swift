@@ -55,6 +55,9 @@ public struct MountOptions: Sendable, Equatable {
     public var parallel: Int?
     public static let maxParallel = 48
     public var memoryLimit: Int64 = 256 << 20
+    /// Files of at most this size, with a known size, are fetched whole by their first read
+    /// (docs/architecture.md, "Small files"); 0: never.
+    public var wholeFile: Int64 = BlockReader.defaultWholeObjectLimit
     public var cacheWrites: CacheWrites = .all
     public var cacheIO: CacheIO = .direct
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
@@ -154,6 +157,8 @@ public struct MountOptions: Sendable, Equatable {
           -o read_ahead=SIZE largest read-ahead window of a sequential reader (default: memory_limit; 0 = off)
           -o parallel=N      read-ahead downloads in flight at once, fixed (default: found from the link, 2 to 48)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
+          -o whole_file=SIZE files up to SIZE are fetched whole by their first read, one request
+                             (default 1M, at most 64M and memory_limit/4; 0 = off)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)
           -o cache_io=W      direct (default: cache data is written past the page cache) or buffered
@@ -300,6 +305,9 @@ public struct MountOptions: Sendable, Equatable {
                 o.blockSize = Int(b)
             case "read_ahead": o.readAhead = try size(key, value, min: 0)
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
+            case "whole_file":
+                o.wholeFile = try size(key, value, min: 0)
+                guard o.wholeFile <= 64 << 20 else { throw ParseError(message: "whole_file=\(value!) is more than 64M") }
             case "cache_writes":
                 o.cacheWrites = try choice(key, value, "all or keep_up") { CacheWrites(rawValue: $0.lowercased()) }
             case "cache_io":
@@ -383,6 +391,9 @@ public struct MountOptions: Sendable, Equatable {
         }
         if o.apiKey != nil && o.storageProtocol != .firebase {
             throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")
+        }
+        if o.wholeFile > o.memoryLimit / 4 {
+            throw ParseError(message: "whole_file=\(o.wholeFile) is more than a quarter of memory_limit=\(o.memoryLimit): lower whole_file or raise memory_limit")
         }
         return .mount(o)
     }
