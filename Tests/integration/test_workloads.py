@@ -165,6 +165,32 @@ def test_small_files_listed_then_read_whole_by_16_threads_cost_one_get_each(moun
     assert not again, f"reading the files again went to the bucket: {again}"
 
 
+def test_whole_file_sets_the_size_up_to_which_a_file_costs_one_get(mount, wbucket, proxy):
+    """`whole_file=SIZE` moves the threshold: with 4M, a 3 MiB file read in 16 KiB pieces is
+    one GET; with 0, a 200 KiB file is fetched in parts as any large file is (the kernel's
+    first read, then read-ahead), more than one GET."""
+    name = "sizes/three-mib.bin"
+    data = random.Random(4802).randbytes(3 * MiB)
+    wbucket.upload(WB, name, data)
+    small = f"{SMALL_DIR}f05.bin"
+    assert len(SMALL[small]) == 200 * KiB
+    for option, path, want_one in (("whole_file=4M", name, True), ("whole_file=0", small, False)):
+        m = mount(WB, endpoint=proxy.endpoint, options=[option])
+        os.stat(m.p(path))
+        settled(proxy)
+        proxy.reset()
+        with open(m.p(path), "rb", buffering=0) as f:
+            got = b"".join(iter(lambda: f.read(16 * KiB), b""))
+        assert got == (data if path == name else SMALL[small]), f"{option}: bytes differ"
+        settled(proxy)
+        gets = [r.range or "whole" for r in proxy.requests("media") if r.name == path]
+        if want_one:
+            assert len(gets) == 1, f"{option}: {len(gets)} GETs for a 3 MiB file: {gets}"
+        else:
+            assert len(gets) > 1, f"{option}: one GET for a 200 KiB file, as if fetched whole: {gets}"
+        mount.unmount(m)
+
+
 # ---------------------------------------------------------------------------- mmap
 # The mapping is read in a child process: a fault storefs answers with an error is a SIGBUS,
 # which must end the child, not the test session.
