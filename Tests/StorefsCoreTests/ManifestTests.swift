@@ -286,6 +286,16 @@ func inventoryRow(_ name: String, size: Int, generation: Int64, bucket: String =
             }
         }
     }
+
+    /// The Firebase emulator's v0 metadata gives `crc32c` in decimal: a manifest written from
+    /// it carries the base64 the parser reads (its mount refused the manifest before).
+    @Test func aDecimalCRC32CIsWrittenAsBase64AndAnythingElseLeftOut() {
+        #expect(ManifestWriter.base64CRC32C("1232738877") == "SXoaPQ==")
+        #expect(ManifestWriter.base64CRC32C("AAAAAw==") == "AAAAAw==")
+        #expect(ManifestWriter.base64CRC32C("4294967296") == nil)
+        #expect(ManifestWriter.base64CRC32C("not a crc") == nil)
+        #expect(Checksum.crc32c(base64: ManifestWriter.base64CRC32C("1232738877")!) == 1_232_738_877)
+    }
 }
 
 @Suite struct ManifestIndexTests {

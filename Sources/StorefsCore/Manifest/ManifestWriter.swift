@@ -39,12 +39,21 @@ public final class ManifestWriter {
         if format == .csv { buffer += Self.header.utf8 }
     }
 
+    /// An object's `crc32c` as the manifest writes it, the JSON API's base64 of the 4
+    /// big-endian bytes: as given, or from the decimal the Firebase emulator's v0 metadata
+    /// gives (docs/protocol.md); nil for anything else (the row then has none).
+    static func base64CRC32C(_ text: String) -> String? {
+        if Checksum.crc32c(base64: text) != nil { return text }
+        guard let v = UInt32(text) else { return nil }
+        return Data([UInt8(v >> 24), UInt8(v >> 16 & 0xFF), UInt8(v >> 8 & 0xFF), UInt8(v & 0xFF)]).base64EncodedString()
+    }
+
     /// One object's row.
     public func write(_ meta: ObjectMetadata) throws(ManifestError) {
         let updated = Self.rfc3339(meta.updated)
         let shown = meta.modificationTime
         let mtime = shown == meta.updated ? "" : Self.rfc3339(shown)
-        let crc = meta.crc32c ?? ""
+        let crc = meta.crc32c.flatMap(Self.base64CRC32C) ?? ""
         switch format {
         case .csv:
             buffer += Self.csvField(meta.name).utf8
