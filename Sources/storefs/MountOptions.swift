@@ -7,7 +7,9 @@ import StorefsCore
 ///
 /// Option names are the contract (README, "Options"). mount(8) noise that mount.fuse3 passes
 /// through is accepted and dropped; a few FUSE options are forwarded to libfuse; anything
-/// else is an error that names the option.
+/// else is an error that names the option. Over 500 lines because the usage text and every
+/// option's check and one-line error sit beside the option's field, so one file is the
+/// contract.
 public struct MountOptions: Sendable, Equatable {
     public var source: StorageReference
     /// SOURCE exactly as written: the kernel's source (`fsname`), so mount(8) finds the fstab

@@ -9,7 +9,9 @@ import Synchronization
 /// CRC32C) and stores (data first, then the index entries). Beside it: the index writes
 /// (`CachedObject+IndexCommit.swift`), the allocation ahead of direct writes
 /// (`+Allocation`), dropping blocks (`+Eviction`) and the whole-object check's state
-/// (`+Integrity`). Locks: `BlockCache.swift` states their order.
+/// (`+Integrity`). Locks: `BlockCache.swift` states their order. Over 500 lines because a
+/// read and a store share the state's invariants (which blocks are present, which file
+/// descriptor serves them) and read best side by side.
 final class CachedObject: Sendable {
     let format: CacheFileFormat
     let hex: String

@@ -2,7 +2,8 @@ import Glibc
 import StorageClient
 
 /// Builds a manifest's index (`ManifestIndexFormat`) without holding the manifest in memory
-/// (docs/manifest.md, "The index"):
+/// (docs/manifest.md, "The index"); over 500 lines because the three steps below share the
+/// sort key's encoding and the scratch files' bounds:
 ///
 /// 1. Rows are parsed one at a time; each name becomes a sort key: its path components
 ///    joined by a 0 byte, so that byte order of keys is the order of a depth-first walk in

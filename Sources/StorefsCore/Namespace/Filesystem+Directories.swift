@@ -1,7 +1,9 @@
 import StorageClient
 
 /// Directories: listings (fetched once, shared by every handle, cached for `list_ttl`),
-/// readdir, readdirplus, listing ahead, and the sizes Firebase v0 listings leave out.
+/// readdir, readdirplus, listing ahead, and the sizes Firebase v0 listings leave out. Over
+/// 500 lines because a listing's life (fetched page by page, shared by handles, cached,
+/// listed ahead) is one piece of state each of these steps reads and changes.
 extension Filesystem {
     /// Opens a directory: from its cached listing when fresh, else as its listing arrives
     /// (docs/architecture.md, "Listings as they arrive"). It returns as soon as readdir can

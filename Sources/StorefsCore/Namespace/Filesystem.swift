@@ -9,7 +9,7 @@ import Synchronization
 /// The FUSE adapter calls these methods with inode and handle numbers and turns the answers
 /// (or `FilesystemError`s, through `Errno`) into replies. Paths here are relative to the mount
 /// root; `objectName(of:)` adds the mounted prefix. The state is split along what it owns,
-/// one `Mutex` each, every one bounded (docs/architecture.md, "Metadata memory"):
+/// one lock each (its level in the lock order), every one bounded (docs/architecture.md, "Metadata memory"):
 ///
 /// - `InodeTable` (this file): the inodes the kernel references, ~100 bytes each;
 /// - `MetadataCache` (this file): what the bucket said about paths the kernel forgot, and
