@@ -58,8 +58,11 @@ public struct MountOptions: Sendable, Equatable {
     public static let maxParallel = 48
     public var memoryLimit: Int64 = 256 << 20
     /// Files of at most this size, with a known size, are fetched whole by their first read
-    /// (docs/architecture.md, "Small files"); 0: never.
-    public var wholeFile: Int64 = BlockReader.defaultWholeObjectLimit
+    /// (docs/architecture.md, "Small files"); 0: never; nil: `wholeFileLimit`'s default.
+    public var wholeFile: Int64?
+    /// `whole_file=`, or by default `BlockReader.defaultWholeObjectLimit`, lowered to a quarter
+    /// of `memoryLimit` where that is less (a small `memory_limit=` alone still mounts).
+    public var wholeFileLimit: Int64 { wholeFile ?? min(BlockReader.defaultWholeObjectLimit, memoryLimit / 4) }
     public var cacheWrites: CacheWrites = .all
     public var cacheIO: CacheIO = .direct
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
@@ -160,7 +163,7 @@ public struct MountOptions: Sendable, Equatable {
           -o parallel=N      read-ahead downloads in flight at once, fixed (default: found from the link, 2 to 48)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
           -o whole_file=SIZE files up to SIZE are fetched whole by their first read, one request
-                             (default 1M, at most 64M and memory_limit/4; 0 = off)
+                             (default 4M or memory_limit/4 if less; at most 64M and memory_limit/4; 0 = off)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)
           -o cache_io=W      direct (default: cache data is written past the page cache) or buffered
@@ -308,8 +311,9 @@ public struct MountOptions: Sendable, Equatable {
             case "read_ahead": o.readAhead = try size(key, value, min: 0)
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
             case "whole_file":
-                o.wholeFile = try size(key, value, min: 0)
-                guard o.wholeFile <= 64 << 20 else { throw ParseError(message: "whole_file=\(value!) is more than 64M") }
+                let w = try size(key, value, min: 0)
+                o.wholeFile = w
+                guard w <= 64 << 20 else { throw ParseError(message: "whole_file=\(value!) is more than 64M") }
             case "cache_writes":
                 o.cacheWrites = try choice(key, value, "all or keep_up") { CacheWrites(rawValue: $0.lowercased()) }
             case "cache_io":
@@ -394,8 +398,8 @@ public struct MountOptions: Sendable, Equatable {
         if o.apiKey != nil && o.storageProtocol != .firebase {
             throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")
         }
-        if o.wholeFile > o.memoryLimit / 4 {
-            throw ParseError(message: "whole_file=\(o.wholeFile) is more than a quarter of memory_limit=\(o.memoryLimit): lower whole_file or raise memory_limit")
+        if let w = o.wholeFile, w > o.memoryLimit / 4 {
+            throw ParseError(message: "whole_file=\(w) is more than a quarter of memory_limit=\(o.memoryLimit): lower whole_file or raise memory_limit")
         }
         return .mount(o)
     }

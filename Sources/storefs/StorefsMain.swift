@@ -186,7 +186,7 @@ enum StorefsMain {
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead ?? o.memoryLimit,
                                                parallel: o.parallel ?? MountOptions.maxParallel,
                                                memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites,
-                                               adaptive: o.parallel == nil, wholeObjectLimit: o.wholeFile),
+                                               adaptive: o.parallel == nil, wholeObjectLimit: o.wholeFileLimit),
                                  pools: pools)
         let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace, manifest: manifest)
         if let offlineBecause {

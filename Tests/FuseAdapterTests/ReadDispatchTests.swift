@@ -64,7 +64,7 @@ final class RecordedRead: ReadRequest, @unchecked Sendable {
     let store = MemoryStore()
     // Larger than `BlockReader.defaultWholeObjectLimit`: misses are fetched in ranges, so each read
     // below that is not the first is a miss of its own.
-    let bytes = pattern(3 << 20, seed: 5)
+    let bytes = pattern(Int(BlockReader.defaultWholeObjectLimit) + (2 << 20), seed: 5)
 
     /// A filesystem over `store` with a block cache, and an open handle of `f`.
     func mount(cache: Bool = true) throws -> (Filesystem, UInt64, BlockCache?) {

@@ -110,9 +110,10 @@ import StorefsCore
         #expect(o.listAhead == 0 && defaults.listAhead == 128)
         #expect(o.cacheWrites == .keepUp && defaults.cacheWrites == .all)
         #expect(o.cacheIO == .buffered && defaults.cacheIO == .direct)
-        #expect(defaults.wholeFile == 1 << 20)
-        #expect(try mount(["-o", "whole_file=0", "b", "/m"]).wholeFile == 0)
-        #expect(try mount(["-o", "whole_file=4M", "b", "/m"]).wholeFile == 4 << 20)
+        #expect(defaults.wholeFileLimit == 4 << 20)
+        #expect(try mount(["-o", "memory_limit=8M", "b", "/m"]).wholeFileLimit == 2 << 20)
+        #expect(try mount(["-o", "whole_file=0", "b", "/m"]).wholeFileLimit == 0)
+        #expect(try mount(["-o", "whole_file=2M", "b", "/m"]).wholeFileLimit == 2 << 20)
     }
 
     @Test func helpAndVersion() throws {

@@ -734,7 +734,9 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
 
     @Test func randomReadFetchesOnlyItsBlocksAndHitsNeedNoNetwork() throws {
         let store = MemoryStore()
-        store.put("f", pattern(4 << 20))
+        // Larger than `BlockReader.defaultWholeObjectLimit`: a miss fetches its block, not the object.
+        let size = Int(BlockReader.defaultWholeObjectLimit) * 2
+        store.put("f", pattern(size))
         let dir = temporaryDirectory()
         let cache = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: 64 << 10)
         let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 64 << 10))
@@ -742,7 +744,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let stream = reader.openStream(meta)
         var out = [UInt8](repeating: 0, count: 4096)
         try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 3_000_000, into: $0, isCancelled: nil) }
-        #expect(out == Array(pattern(4 << 20)[3_000_000..<3_004_096]))
+        #expect(out == Array(pattern(size)[3_000_000..<3_004_096]))
         #expect(store.requests.read == 1 && store.bytesRead == 64 << 10)
         #expect(out.withUnsafeMutableBytes { reader.readHere(stream, at: 3_000_100, into: $0) })
         #expect(store.requests.read == 1)

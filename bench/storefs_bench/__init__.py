@@ -23,8 +23,11 @@ Where a number comes from:
                   after the pages are dropped): data, baselines, phases, request counts
     workload_workers.py   their child-process loops
     workload_report.py    their table, targets, verdicts and JSON rows
+    whole_file.py bench/whole-file: files of 512 KiB-8 MiB fetched whole or in parts, for
+                  whole_file='s default
 
-`bench/run` only parses arguments, picks the setting and calls these.
+`bench/run` only parses arguments, picks the setting and calls these; `bench/whole-file`
+calls whole_file.py.
 """
 
 import os

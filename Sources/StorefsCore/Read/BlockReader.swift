@@ -63,8 +63,10 @@ public final class BlockReader: Sendable {
     }
 
     public let config: Config
-    /// `Config.wholeObjectLimit`'s default, chosen by measurement (docs/experiments.md).
-    public static let defaultWholeObjectLimit: Int64 = 1 << 20
+    /// `Config.wholeObjectLimit`'s default, chosen by measurement: through the `wan` link model,
+    /// files of 2 and 4 MiB fetched whole were read faster than in parts by 1 and by 16 readers,
+    /// 8 MiB slower by one (docs/experiments.md, "2026-12-07: whole_file's default, files fetched whole up to 4 MiB").
+    public static let defaultWholeObjectLimit: Int64 = 4 << 20
     let store: ObjectStore
     /// How the store's connections may be steered, where it pools them (the HTTP stores).
     let tuning: (any ConnectionTuning)?
