@@ -162,6 +162,9 @@ import StorefsTestSupport
         Thread.sleep(forTimeInterval: 1.2)  // this mount's last use of `hot` is now a while ago
         let newer = try #require(a.acquire(endpoint: "e", meta: object(generation: 3, size: 16_384)))
         store(newer, pattern(16_384, seed: 3))
+        // File times come from the kernel's coarse clock, a tick (up to ~10 ms) behind: apart
+        // by more than that, the other mount's read of `hot` is later than `newer` on disk too.
+        Thread.sleep(forTimeInterval: 0.1)
         // The other mount reads `hot` after that: later than this mount used `hot` or `newer`.
         let hotB = try #require(b.acquire(endpoint: "e", meta: object(generation: 2, size: 16_384)))
         #expect(serves(hotB, at: 0, pattern(16_384, seed: 2)))
