@@ -2,6 +2,7 @@ internal import CFuse3
 import StorageClient
 import StorefsCore
 import Synchronization
+import Locking
 
 /// Everything a FUSE callback needs, reached through `fuse_req_userdata`.
 final class FuseContext: Sendable {
@@ -9,27 +10,31 @@ final class FuseContext: Sendable {
     let buffers: BufferPool
     /// Replies still owed from worker threads (and from FUSE threads serving misses); the
     /// session is destroyed only after they drain.
-    let inFlight = Atomic<Int>(0)
+    let inFlight = WaitGroup()
     /// Set once the loop has ended: work still running gives up (as if interrupted) so the
     /// session can be destroyed after it, within a bounded time.
     let stopping = Atomic<Bool>(false)
-    private let pool = Mutex<WorkerPool?>(nil)
-    private let metadataPool = Mutex<WorkerPool?>(nil)
-    let readWorkers: Int
+    /// Read workers (`WorkerPools.reads`): reads that wait for the network.
+    let workers: WorkerPool
+    /// Lookups, attribute refreshes and listings that need the bucket (`WorkerPools.metadata`):
+    /// a stalled server ties up these threads, never FUSE's (so cached reads go on).
+    let metadata: WorkerPool
     /// Reads that miss the cache and are served on the FUSE thread that received them.
     let inlineMisses: InlineMisses
+    /// How reads are served, and on which thread (`ReadDispatch`).
+    let reads: ReadDispatch
     /// Requests waiting for a worker, which an INTERRUPT answers at once.
     let queued = QueuedRequests()
-    private let session = Mutex<SessionPointer?>(nil)
-    /// Lookups, attribute refreshes and listings that need the bucket: a stalled server ties up
-    /// these threads, never FUSE's (so cached reads go on), and at most this many at once.
-    static let metadataWorkers = 64
+    private let session = OrderedMutex<SessionPointer?>(.fuseSession, nil)
 
-    init(fs: Filesystem, readWorkers: Int, fuseThreads: Int) {
+    init(fs: Filesystem, pools: WorkerPools, fuseThreads: Int) {
         self.fs = fs
-        self.readWorkers = readWorkers
-        self.buffers = BufferPool(bufferSize: FuseSession.maxRequestSize, keep: readWorkers * 2)
+        workers = pools.reads
+        metadata = pools.metadata
+        // A buffer for each read worker kept, and as many again for reads on FUSE threads.
+        self.buffers = BufferPool(bufferSize: FuseSession.maxRequestSize, keep: 32)
         self.inlineMisses = InlineMisses(limit: max(1, fuseThreads / 2))
+        self.reads = ReadDispatch(fs: fs, buffers: buffers, inlineMisses: inlineMisses)
     }
 
     /// The session whose end `isStopping` watches; nil before it is destroyed (a request served
@@ -42,30 +47,9 @@ final class FuseContext: Sendable {
         stopping.load(ordering: .relaxed) || session.withLock { $0.map { fuse_session_exited($0.raw) != 0 } ?? false }
     }
 
-    /// Threads start only after daemonizing: fork() keeps just the calling thread.
-    func startWorkers() {
-        pool.withLock { p in
-            if p == nil { p = WorkerPool(threads: readWorkers, name: "storefs-read") }
-        }
-    }
-
-    var workers: WorkerPool {
-        pool.withLock { p in
-            if p == nil { p = WorkerPool(threads: readWorkers, name: "storefs-read") }
-            return p!
-        }
-    }
-
-    var metadata: WorkerPool {
-        metadataPool.withLock { p in
-            if p == nil { p = WorkerPool(threads: Self.metadataWorkers, name: "storefs-meta") }
-            return p!
-        }
-    }
-
     func stopWorkers() {
-        pool.withLock { $0?.shutdown() }
-        metadataPool.withLock { $0?.shutdown() }
+        workers.shutdown()
+        metadata.shutdown()
     }
 }
 
@@ -112,7 +96,7 @@ final class QueuedRequests: Sendable {
 
     /// A leaf lock (nothing is taken or replied under it); libfuse holds the request's own
     /// lock around the interrupt callback that takes it.
-    private let waiting = Mutex([Int: Entry]())
+    private let waiting = OrderedMutex(.queuedRequests, [Int: Entry]())
 
     private static func key(_ raw: fuse_req_t) -> Int { Int(bitPattern: raw) }
 
@@ -130,6 +114,20 @@ struct Request: @unchecked Sendable {
     let raw: fuse_req_t
 }
 
+/// A FUSE read request, as `ReadDispatch` serves it.
+struct FuseReadRequest: ReadRequest, @unchecked Sendable {
+    let raw: fuse_req_t
+    let ctx: FuseContext
+
+    func reply(_ bytes: UnsafeRawBufferPointer) {
+        _ = fuse_reply_buf(raw, bytes.baseAddress?.assumingMemoryBound(to: CChar.self), bytes.count)
+    }
+
+    func reply(errno: Int32) { _ = fuse_reply_err(raw, errno) }
+
+    var isInterrupted: Bool { fuse_req_interrupted(raw) != 0 || ctx.isStopping }
+}
+
 /// A copy of a request's `fuse_file_info` (libfuse's own lives only during the callback).
 struct FileInfo: @unchecked Sendable {
     var info: fuse_file_info
@@ -143,7 +141,7 @@ final class BufferPool: Sendable {
         var buffers: [Box] = []
         var lastUse = 0.0
     }
-    private let free = Mutex(Free())
+    private let free = OrderedMutex(.replyBuffers, Free())
     let bufferSize: Int
     private let keep: Int
 
@@ -151,7 +149,7 @@ final class BufferPool: Sendable {
         self.bufferSize = bufferSize
         self.keep = keep
         // Idle buffers go back to the system after a load (MemoryReturn).
-        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
+        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) ?? false }
     }
 
     func take() -> UnsafeMutableRawBufferPointer {
@@ -173,13 +171,14 @@ final class BufferPool: Sendable {
         if !kept { box.pointer.deallocate() }
     }
 
-    private func releaseIfIdle(for idle: Double) {
+    private func releaseIfIdle(for idle: Double) -> Bool {
         let released = free.withLock { f -> [Box] in
             guard monotonicNow() - f.lastUse >= idle else { return [] }
             defer { f.buffers.removeAll() }
             return f.buffers
         }
         for box in released { box.pointer.deallocate() }
+        return !released.isEmpty
     }
 }
 

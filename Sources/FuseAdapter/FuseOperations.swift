@@ -4,8 +4,9 @@ import StorageClient
 import StorefsCore
 
 // The low-level ops table. Each callback converts arguments, calls `Filesystem`, and replies;
-// nothing here decides semantics or errno values (those live in StorefsCore). Reads are the
-// only operation answered from another thread: they may wait on the network.
+// nothing here decides semantics or errno values (those live in StorefsCore). What may wait on
+// the network (reads that miss, lookups and listings that need the bucket) is answered from a
+// worker thread (`ReadDispatch`, `FuseContext`'s metadata pool).
 
 private func context(_ req: fuse_req_t?) -> FuseContext {
     Unmanaged<FuseContext>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
@@ -55,11 +56,11 @@ private func withMetadata(_ req: fuse_req_t?, _ trace: OpTrace, _ work: @escapin
     }
     let ctx = context(req)
     let r = Request(raw: req!)
-    ctx.inFlight.add(1, ordering: .acquiring)
+    ctx.inFlight.enter()
     // Until a worker takes it, its INTERRUPT answers it (QueuedRequests): 64 lookups stalled
     // on the server must not keep a caller that handles Ctrl-C waiting behind them.
     queue(r, .init(op: trace.op, inode: trace.inode, name: trace.name, started: trace.started), on: ctx.metadata, ctx: ctx) {
-        defer { ctx.inFlight.subtract(1, ordering: .releasing) }
+        defer { ctx.inFlight.leave() }
         let interrupted: @Sendable () -> Bool = { fuse_req_interrupted(r.raw) != 0 || ctx.isStopping }
         if interrupted() {
             let e = Errno.value(for: .storage(.cancelled))
@@ -94,7 +95,7 @@ private let queuedRequestInterrupted: fuse_interrupt_func_t = { req, _ in
     let e = Errno.value(for: .storage(.cancelled))
     _ = fuse_reply_err(req, e)
     OpTrace.record(entry.op, inode: entry.inode, name: entry.name, errno: e, started: entry.started)
-    ctx.inFlight.subtract(1, ordering: .releasing)
+    ctx.inFlight.leave()
 }
 
 private func replyReadOnly(_ req: fuse_req_t?, _ op: FuseOp, _ inode: fuse_ino_t) {
@@ -163,6 +164,11 @@ func makeOperations() -> fuse_lowlevel_ops {
         // With the bdi read_ahead_kb raised at mount, this makes sequential reads arrive as 1 MiB requests.
         conn.pointee.max_readahead = UInt32(FuseSession.maxRequestSize)
         conn.pointee.want |= conn.pointee.capable & UInt32(FUSE_CAP_ASYNC_READ)
+        // Readahead reads are background requests, 12 in flight by default: 16 threads each
+        // reading a small file, or 4 streams of one mmap, queued in the kernel behind 12 reads
+        // waiting on the network. As many as there are read workers may wait at once.
+        conn.pointee.max_background = 64
+        conn.pointee.congestion_threshold = 48
         // O_DIRECT reads as requests of the reading thread: a signal it handles (Ctrl-C in
         // `storefs prefetch`) then reaches the daemon as an INTERRUPT. With libfuse's default
         // async direct I/O the reader sleeps uninterruptibly until the download ends
@@ -213,7 +219,7 @@ func makeOperations() -> fuse_lowlevel_ops {
             fs.forget(UInt64(f.ino), count: UInt64(f.nlookup))
         }
         fuse_reply_none(req)
-        Metrics.shared.fuseOps(.forget, count: count)
+        Metrics.shared.operations(FuseOp.forget.rawValue, count: count)
     }
 
     ops.getattr = { req, ino, _ in
@@ -238,12 +244,12 @@ func makeOperations() -> fuse_lowlevel_ops {
         withMetadata(req, OpTrace(.opendir, inode: UInt64(ino))) { network, req in
             // Answered as soon as readdir can start (after a listing's first page); this
             // worker then fetches the rest of the listing for the handle.
-            try fs.openDirectory(UInt64(ino), network: network) { handle in
-                var info = copy.info
-                info.fh = handle
-                info.cache_readdir = 0
-                _ = fuse_reply_open(req, &info)
-            }
+            let opened: OpenedDirectory = try fs.openDirectory(UInt64(ino), network: network)
+            var info = copy.info
+            info.fh = opened.handle
+            info.cache_readdir = 0
+            _ = fuse_reply_open(req, &info)
+            opened.finishListing()
         }
     }
 
@@ -328,84 +334,18 @@ func makeOperations() -> fuse_lowlevel_ops {
     }
 
     ops.read = { req, ino, size, off, fi in
-        let started = monotonicNow()
-        let inode = UInt64(ino)
         let ctx = context(req)
-        let handle = fi!.pointee.fh
-        let count = min(size, ctx.buffers.bufferSize)
-        // Cache hits are answered here: a hop to another thread costs 12–20 µs.
-        let buffer = ctx.buffers.take()
-        do {
-            // Read-ahead that just landed is replied from its download buffer: one copy fewer.
-            // Counted before the reply, so whoever reads the stats after its read returned
-            // finds it counted.
-            var sent = false
-            if let n = try ctx.fs.readCached(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
-                                             send: { bytes in
-                                                 OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: bytes.count)
-                                                 _ = fuse_reply_buf(req, bytes.baseAddress?.assumingMemoryBound(to: CChar.self), bytes.count)
-                                                 sent = true
-                                             }) {
-                if !sent {
-                    OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
-                    _ = fuse_reply_buf(req, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
-                }
-                ctx.buffers.give(buffer)
-                return
+        let request = FuseReadRequest(raw: req!, ctx: ctx)
+        let inode = UInt64(ino)
+        ctx.reads.serve(request, inode: inode, handle: fi!.pointee.fh, offset: Int64(off), size: size) { work, skipped in
+            // The reply is owed from a worker: counted until it is made (or its INTERRUPT
+            // answers it while it waits, QueuedRequests).
+            ctx.inFlight.enter()
+            queue(Request(raw: req!), .init(op: .read, inode: inode, name: nil, started: monotonicNow()), on: ctx.workers,
+                  ctx: ctx, skipped: skipped) {
+                defer { ctx.inFlight.leave() }
+                work()
             }
-        } catch let e as FilesystemError {
-            let errno = reply(req, e)
-            ctx.buffers.give(buffer)
-            OpTrace.record(.read, inode: inode, errno: errno, started: started)
-            return
-        } catch {
-            _ = fuse_reply_err(req, EIO)
-            ctx.buffers.give(buffer)
-            OpTrace.record(.read, inode: inode, errno: EIO, started: started)
-            return
-        }
-        // A miss waits on the network. Near the server that is about a millisecond, and the
-        // FUSE thread that received the read serves it: the hop to a read worker and back cost
-        // more CPU than the wait (docs/architecture.md, "Threads"). Far from it, or with half
-        // of FUSE's threads serving misses already, a read worker replies later.
-        let r = Request(raw: req!)
-        let lease = BufferLease(buffer)
-        ctx.inFlight.add(1, ordering: .acquiring)
-        let serve: @Sendable () -> Void = {
-            defer { ctx.inFlight.subtract(1, ordering: .releasing) }
-            let buffer = lease.buffer
-            defer { ctx.buffers.give(buffer) }
-            let later = AfterReply()
-            defer { later.run() }  // the cache copy, after the reply
-            do {
-                // A read inside one download is replied from its buffer, as hits are (above).
-                var sent = false
-                let n = try ctx.fs.read(handle, at: Int64(off), into: UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count]),
-                                        alreadyNoted: true,
-                                        isCancelled: { fuse_req_interrupted(r.raw) != 0 || ctx.isStopping },
-                                        afterReply: later, send: { bytes in
-                                            OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: bytes.count)
-                                            _ = fuse_reply_buf(r.raw, bytes.baseAddress?.assumingMemoryBound(to: CChar.self), bytes.count)
-                                        }, sent: &sent)
-                if !sent {
-                    // Counted before the reply, as hits are (above).
-                    OpTrace.record(.read, inode: inode, errno: 0, started: started, bytes: n)
-                    _ = fuse_reply_buf(r.raw, buffer.baseAddress!.assumingMemoryBound(to: CChar.self), n)
-                }
-            } catch let e as FilesystemError {
-                OpTrace.record(.read, inode: inode, errno: reply(r.raw, e), started: started)
-            } catch {
-                _ = fuse_reply_err(r.raw, EIO)
-                OpTrace.record(.read, inode: inode, errno: EIO, started: started)
-            }
-        }
-        if ctx.fs.serverIsNear, ctx.inlineMisses.enter() {
-            defer { ctx.inlineMisses.leave() }
-            serve()
-        } else {
-            // Until a worker takes it, its INTERRUPT answers it (QueuedRequests).
-            queue(r, .init(op: .read, inode: inode, name: nil, started: started), on: ctx.workers, ctx: ctx,
-                  skipped: { ctx.buffers.give(lease.buffer) }, serve)
         }
     }
 

@@ -18,18 +18,21 @@ public enum FuseSession {
         public var fuseOptions: [String]
         /// Kernel mount flags: `exec`/`noexec`, `suid`/`nosuid`, `dev`/`nodev`.
         public var mountFlags: [String]
-        public var readWorkers: Int
         public var maxThreads: Int
+        /// FUSE threads kept waiting for requests once a burst is over: past these, a thread
+        /// that finishes a request while this many others wait ends. libfuse's default keeps
+        /// every thread a burst made (issue 49, item 4; docs/architecture.md, "Threads").
+        public var idleThreads: Int
 
         public init(mountpoint: String, fsname: String, foreground: Bool, debug: Bool, fuseOptions: [String],
-                    mountFlags: [String] = ["exec", "nosuid", "nodev"], readWorkers: Int = 16, maxThreads: Int = 32) {
+                    mountFlags: [String] = ["exec", "nosuid", "nodev"], maxThreads: Int = 32, idleThreads: Int = 16) {
+            self.idleThreads = idleThreads
             self.mountFlags = mountFlags
             self.mountpoint = mountpoint
             self.fsname = fsname
             self.foreground = foreground
             self.debug = debug
             self.fuseOptions = fuseOptions
-            self.readWorkers = readWorkers
             self.maxThreads = maxThreads
         }
     }
@@ -41,8 +44,11 @@ public enum FuseSession {
 
     /// Runs until unmounted or signalled (SIGTERM, SIGINT); returns the exit status.
     /// `ready` runs once the mount exists and this is the process that serves it (after fork).
-    public static func run(_ fs: Filesystem, _ settings: Settings, ready: () -> Void) throws(MountError) -> Int32 {
-        let ctx = FuseContext(fs: fs, readWorkers: settings.readWorkers, fuseThreads: settings.maxThreads)
+    /// `pools`: the daemon's threads (the read and metadata workers, the kernel notifier's).
+    public static func run(_ fs: Filesystem, _ settings: Settings, pools: WorkerPools,
+                           ready: () -> Void) throws(MountError) -> Int32 {
+        let ctx = FuseContext(fs: fs, pools: pools, fuseThreads: settings.maxThreads)
+        FuseOp.nameForMetrics()
         var options = ["ro", "subtype=storefs", "default_permissions"]
         if !settings.fuseOptions.contains(where: { $0.hasPrefix("fsname=") }) {
             options.append("fsname=" + settings.fsname)
@@ -97,9 +103,7 @@ public enum FuseSession {
             Log.daemonized()
         }
         SignalThread.start(summary: { fs.summaryFields() })
-        ctx.startWorkers()
-        // After daemonizing (fork keeps only the calling thread), like every worker.
-        let notifier = KernelNotifier(se)
+        let notifier = KernelNotifier(se, queue: pools.notify)
         defer { notifier.stop() }
         fs.onNameChanged { parent, name in notifier.invalidateEntry(parent: parent, name: name) }
         ready()
@@ -107,6 +111,7 @@ public enum FuseSession {
 
         let config = fuse_loop_cfg_create()
         fuse_loop_cfg_set_max_threads(config, UInt32(settings.maxThreads))
+        fuse_loop_cfg_set_idle_threads(config, UInt32(settings.idleThreads))
         fuse_loop_cfg_set_clone_fd(config, 0)
         let rc = fuse_session_loop_mt(se, config)
         fuse_loop_cfg_destroy(config)
@@ -115,9 +120,7 @@ public enum FuseSession {
         // (as if interrupted) and its reply must land before the session goes away; then the
         // mount goes; only then are cache writes finished, off the user's path.
         ctx.stopping.store(true, ordering: .relaxed)
-        let deadline = Date().addingTimeInterval(Self.replyDrainSeconds)
-        while ctx.inFlight.load(ordering: .acquiring) > 0 && Date() < deadline { usleep(2000) }
-        let owed = ctx.inFlight.load(ordering: .acquiring)
+        let owed = ctx.inFlight.wait(timeout: Self.replyDrainSeconds) ? 0 : ctx.inFlight.current
         notifier.stop()
         fuse_session_unmount(se)
         unmounted = true
@@ -162,14 +165,7 @@ public enum FuseSession {
             writeReadahead(bdi: device)
             return
         }
-        guard let mountinfo = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return }
-        let escaped = mountpoint.replacingOccurrences(of: " ", with: "\\040")
-        for line in mountinfo.split(separator: "\n").reversed() {
-            let fields = line.split(separator: " ")
-            guard fields.count > 4, fields[4] == escaped else { continue }
-            writeReadahead(bdi: String(fields[2]))
-            return
-        }
+        if let mount = MountTable.current()?.mount(at: mountpoint) { writeReadahead(bdi: mount.device) }
     }
 
     private static func writeReadahead(bdi: String) {

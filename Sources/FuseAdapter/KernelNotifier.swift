@@ -2,6 +2,7 @@ internal import CFuse3
 import Glibc
 import StorefsCore
 import Synchronization
+import Locking
 
 /// Tells the kernel to drop a directory entry it caches (after an object was replaced or
 /// deleted, docs/architecture.md "Overwrites"), from a thread of its own: libfuse forbids
@@ -10,10 +11,14 @@ import Synchronization
 final class KernelNotifier: Sendable {
     private struct Session: @unchecked Sendable { let raw: OpaquePointer }
     /// nil once the session is going away: queued notices are then dropped.
-    private let session: Mutex<Session?>
-    private let queue = WorkerPool(threads: 1, name: "storefs-notify")
+    private let session: OrderedMutex<Session?>
+    /// Its one thread (`WorkerPools.notify`).
+    private let queue: WorkerPool
 
-    init(_ se: OpaquePointer) { session = Mutex(Session(raw: se)) }
+    init(_ se: OpaquePointer, queue: WorkerPool) {
+        session = OrderedMutex(.notifierSession, Session(raw: se))
+        self.queue = queue
+    }
 
     func invalidateEntry(parent: UInt64, name: String) {
         queue.submit { [self] in

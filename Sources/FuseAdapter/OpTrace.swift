@@ -28,7 +28,7 @@ final class OpTrace: @unchecked Sendable {
     /// For operations that need no object (reads: no allocation on the hot path).
     static func record(_ op: FuseOp, inode: UInt64, name: String? = nil, errno: Int32, started: Double, bytes: Int = 0) {
         let seconds = monotonicNow() - started
-        Metrics.shared.fuseOp(op, errno: errno, seconds: seconds, bytes: bytes)
+        Metrics.shared.operation(op.rawValue, errno: errno, seconds: seconds, bytes: bytes, isRead: op == .read)
         guard Log.enabled(.debug) else { return }
         var fields = [("op", op.name), ("ino", String(inode))]
         if let name { fields.append(("name", name)) }

@@ -43,7 +43,7 @@ struct AuthorizedHTTP: Sendable {
             if renewed.value != used { response = try send(renewed.headers) }
         }
         // Any answer took the server's distance, a 404 as much as the bytes.
-        fastest.note(StorageTelemetry.lastFirstByte)
+        fastest.note(response.firstByte)
         if StorageError.servesRequests(response.status) { answers.note() }
         guard (200..<300).contains(response.status) else {
             var error = StorageError.fromStatus(response.status, what: "\(what): \(Self.errorMessage(response))")
@@ -65,23 +65,30 @@ struct AuthorizedHTTP: Sendable {
         try Self.jsonObject(try getJSONBytes(url, what: what, policy: policy, isCancelled: isCancelled))
     }
 
+    /// The options of one try of a request: its number, the caller's cancellation, and a
+    /// connection set aside for the operation (taken by its first try; later ones find it used).
+    private func options(_ t: RetryPolicy.Try, _ isCancelled: (@Sendable () -> Bool)?, _ connection: ConnectionClaim?) -> RequestOptions {
+        RequestOptions(attempt: t.number, isCancelled: isCancelled, connection: connection)
+    }
+
     /// The body of a JSON answer, unparsed (listing pages are read by `ListPageParser`).
     func getJSONBytes(_ url: String, what: String, policy: RetryPolicy? = nil,
-                      isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> [UInt8] {
-        try (policy ?? retry).run(isCancelled: isCancelled, answered: answers) { deadline throws(StorageError) -> HTTPResponse in
+                      isCancelled: (@Sendable () -> Bool)? = nil, connection: ConnectionClaim? = nil) throws(StorageError) -> [UInt8] {
+        try (policy ?? retry).run(isCancelled: isCancelled, answered: answers) { t throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
-                try http.get(url, headers: h, limit: Self.jsonLimit, deadline: deadline, isCancelled: isCancelled)
+                try http.get(url, headers: h, limit: Self.jsonLimit, deadline: t.deadline,
+                             options: options(t, isCancelled, connection))
             }
         }.body
     }
 
     /// Ranged GET into `buffer`, with retries, within the time budget.
     func getRange(_ url: String, what: String, start: Int64, into buffer: RangeBuffer, untilEnd: Bool = false,
-                  isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> HTTPResponse {
-        try retry.run(isCancelled: isCancelled, answered: answers) { deadline throws(StorageError) -> HTTPResponse in
+                  isCancelled: (@Sendable () -> Bool)?, connection: ConnectionClaim? = nil) throws(StorageError) -> HTTPResponse {
+        try retry.run(isCancelled: isCancelled, answered: answers) { t throws(StorageError) -> HTTPResponse in
             try exchange(what) { h throws(StorageError) in
-                try http.getRange(url, headers: h, start: start, into: buffer, untilEnd: untilEnd, deadline: deadline,
-                                  isCancelled: isCancelled)
+                try http.getRange(url, headers: h, start: start, into: buffer, untilEnd: untilEnd, deadline: t.deadline,
+                                  options: options(t, isCancelled, connection))
             }
         }
     }
@@ -127,5 +134,13 @@ struct AuthorizedHTTP: Sendable {
         default:
             return error
         }
+    }
+}
+
+extension StorageError {
+    /// This error of a start-up check of gs://`bucket`/`prefix` said the way `checkAccess`
+    /// says it (a wrong bucket, endpoint or credential, by name).
+    public func explainedForAccess(bucket: String, prefix: String, endpoint: String) -> StorageError {
+        AuthorizedHTTP.explainAccessError(self, bucket: bucket, prefix: prefix, endpoint: endpoint)
     }
 }

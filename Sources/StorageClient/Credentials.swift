@@ -1,5 +1,6 @@
 import Foundation
 import Synchronization
+import Locking
 
 /// Supplies the `Authorization` header for requests. Implementations never log what they return.
 public protocol Credentials: Sendable {
@@ -25,7 +26,7 @@ public final class TokenFileCredentials: Credentials {
     private struct Cached { var token: String; var mtime: timespec; var size: Int }
     private let path: String
     private let scheme: String
-    private let cache = Mutex<Cached?>(nil)
+    private let cache = OrderedMutex<Cached?>(.tokenFile, nil)
 
     public init(path: String, scheme: String = "Bearer") throws(StorageError) {
         self.path = path

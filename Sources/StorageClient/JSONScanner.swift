@@ -4,9 +4,10 @@
 /// of a 1,000-item page (`JSONSerialization`) cost 5 ms and tens of times the text in memory.
 ///
 /// Hostile input is expected (docs/security.md): the body is already size-capped, nesting is
-/// capped at `maxDepth`, and any malformed byte is an error, never a guess.
-struct JSONScanner {
-    enum Scalar: Equatable {
+/// capped at `maxDepth`, and any malformed byte is an error, never a guess. Manifests in JSON
+/// Lines are read with it too (`package`: StorefsCore's ManifestParser), one line at a time.
+package struct JSONScanner {
+    package enum Scalar: Equatable {
         case string(String)
         /// A number as written (converted by whoever knows what it should be).
         case number(String)
@@ -14,19 +15,22 @@ struct JSONScanner {
         case null
     }
 
-    static let maxDepth = 64
+    package static let maxDepth = 64
 
     private let bytes: [UInt8]
     private var i = 0
     private let what: String
+    private let subject: String
 
-    init(_ bytes: [UInt8], what: String) {
+    /// `what` starts each error message, `subject` names the text in it ("the server's answer").
+    package init(_ bytes: [UInt8], what: String, subject: String = "the server's answer") {
         self.bytes = bytes
         self.what = what
+        self.subject = subject
     }
 
     private func fail(_ why: String) -> StorageError {
-        StorageError(.invalidResponse, "\(what): the server's answer is not valid JSON (\(why) at byte \(i))")
+        StorageError(.invalidResponse, "\(what): \(subject) is not valid JSON (\(why) at byte \(i))")
     }
 
     private mutating func skipSpace() {
@@ -34,7 +38,7 @@ struct JSONScanner {
     }
 
     /// The next non-space byte, not consumed.
-    mutating func peek() throws(StorageError) -> UInt8 {
+    package mutating func peek() throws(StorageError) -> UInt8 {
         skipSpace()
         guard i < bytes.count else { throw fail("unexpected end") }
         return bytes[i]
@@ -46,13 +50,13 @@ struct JSONScanner {
     }
 
     /// Checks that only white space is left.
-    mutating func finish() throws(StorageError) {
+    package mutating func finish() throws(StorageError) {
         skipSpace()
         guard i == bytes.count else { throw fail("text after the value") }
     }
 
     /// Walks an object: `body` is called with each key, and must consume its value.
-    mutating func object(_ body: (inout JSONScanner, String) throws(StorageError) -> Void) throws(StorageError) {
+    package mutating func object(_ body: (inout JSONScanner, String) throws(StorageError) -> Void) throws(StorageError) {
         try expect(UInt8(ascii: "{"))
         if try peek() == UInt8(ascii: "}") {
             i += 1
@@ -70,7 +74,7 @@ struct JSONScanner {
     }
 
     /// Walks an array: `body` is called once per element, and must consume it.
-    mutating func array(_ body: (inout JSONScanner) throws(StorageError) -> Void) throws(StorageError) {
+    package mutating func array(_ body: (inout JSONScanner) throws(StorageError) -> Void) throws(StorageError) {
         try expect(UInt8(ascii: "["))
         if try peek() == UInt8(ascii: "]") {
             i += 1
@@ -86,7 +90,7 @@ struct JSONScanner {
     }
 
     /// A string, a number, true, false or null; an object or array here is an error.
-    mutating func scalar() throws(StorageError) -> Scalar {
+    package mutating func scalar() throws(StorageError) -> Scalar {
         switch try peek() {
         case UInt8(ascii: "\""): return .string(try string())
         case UInt8(ascii: "t"): try literal("true"); return .bool(true)
@@ -98,7 +102,7 @@ struct JSONScanner {
     }
 
     /// A string value, or nil for `null`; any other kind of value is an error.
-    mutating func optionalString() throws(StorageError) -> String? {
+    package mutating func optionalString() throws(StorageError) -> String? {
         switch try scalar() {
         case .string(let s): return s
         case .null: return nil
@@ -107,7 +111,7 @@ struct JSONScanner {
     }
 
     /// Skips one value of any kind.
-    mutating func skip(depth: Int = 0) throws(StorageError) {
+    package mutating func skip(depth: Int = 0) throws(StorageError) {
         guard depth < Self.maxDepth else { throw fail("nested deeper than \(Self.maxDepth)") }
         switch try peek() {
         case UInt8(ascii: "{"): try object { (s, _) throws(StorageError) in try s.skip(depth: depth + 1) }
@@ -147,7 +151,7 @@ struct JSONScanner {
 
     /// A string: the fast path copies the bytes between the quotes; escapes are decoded
     /// (`\uXXXX` with surrogate pairs); raw control characters and invalid UTF-8 are errors.
-    mutating func string() throws(StorageError) -> String {
+    package mutating func string() throws(StorageError) -> String {
         try expect(UInt8(ascii: "\""))
         let start = i
         while i < bytes.count, bytes[i] != UInt8(ascii: "\""), bytes[i] != UInt8(ascii: "\\"), bytes[i] >= 0x20 { i += 1 }

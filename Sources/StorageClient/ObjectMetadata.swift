@@ -17,7 +17,12 @@ public struct Timestamp: Sendable, Equatable, Comparable {
     /// Parses `YYYY-MM-DDTHH:MM:SS[.fraction]` followed by `Z` or `±HH:MM`, with 0–9 fraction
     /// digits (fake-gcs-server trims trailing zeros, the Firebase emulator always writes 3).
     public static func parseRFC3339(_ text: String) -> Timestamp? {
-        let b = Array(text.utf8)
+        var text = text
+        return text.withUTF8 { parseRFC3339(bytes: UnsafeRawBufferPointer($0)) }
+    }
+
+    /// The same, from the text's UTF-8 bytes (manifests: no String per row).
+    public static func parseRFC3339(bytes b: UnsafeRawBufferPointer) -> Timestamp? {
         func digits(_ at: Int, _ n: Int) -> Int? {
             guard at + n <= b.count else { return nil }
             var v = 0

@@ -41,8 +41,14 @@ public struct RetryPolicy: Sendable {
         }
     }
 
-    /// Runs `body(deadline)` until it succeeds, fails for good, or attempts or budget run out.
-    /// `deadline` is on the monotonic clock (`monotonicNow()`).
+    /// One try of an operation: when it must end (monotonic seconds, `monotonicNow()`), and
+    /// which try it is (1 for the first; logs and metrics show it).
+    public struct Try: Sendable {
+        public let deadline: Double
+        public let number: Int
+    }
+
+    /// Runs `body(try)` until it succeeds, fails for good, or attempts or budget run out.
     ///
     /// `answered` counts the store's answers that say it serves requests. When it moves while
     /// this operation fails, the bucket is up and this request is the unlucky one (a flaky
@@ -52,17 +58,14 @@ public struct RetryPolicy: Sendable {
     /// (At 10% of requests failing, 5 tries all fail once in 100,000 operations; 10, once in
     /// 10^10.)
     public func run<T>(isCancelled: (@Sendable () -> Bool)? = nil, answered: AnswerCount? = nil,
-                       _ body: (_ deadline: Double) throws(StorageError) -> T) throws(StorageError) -> T {
+                       _ body: (_ try: Try) throws(StorageError) -> T) throws(StorageError) -> T {
         let deadline = monotonicNow() + budget
         let answersBefore = answered?.value
         var delay = firstDelay
         var attempt = 1
-        let outer = StorageTelemetry.attempt  // a token fetch runs inside a read's try
-        defer { StorageTelemetry.attempt = outer }
         while true {
             do {
-                StorageTelemetry.attempt = attempt
-                return try body(deadline)
+                return try body(Try(deadline: deadline, number: attempt))
             } catch {
                 // The caller was interrupted meanwhile: whatever the try ended with (a timeout, a
                 // reset as the transfer was cut), the operation ends as cancelled, which says

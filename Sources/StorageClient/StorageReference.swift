@@ -102,3 +102,9 @@ public struct StorageReference: Sendable, Equatable, CustomStringConvertible {
         }
     }
 }
+
+/// Which API a mount speaks (`protocol=`): the GCS JSON API (docs/protocol.md §5), access
+/// decided by IAM, or the Firebase Storage v0 REST API (§2), access decided by Security Rules.
+public enum StorageProtocol: String, Sendable {
+    case gcs, firebase
+}

@@ -1,5 +1,6 @@
 import StorageClient
 import Synchronization
+import Locking
 
 /// Whether the bucket answers, as the last operation that needed it found out.
 ///
@@ -28,7 +29,7 @@ public final class BucketHealth: Sendable {
     }
 
     /// A leaf lock: nothing else is taken under it, and no I/O.
-    private let state = Mutex(State())
+    private let state = OrderedMutex(.bucketHealth, State())
     /// Whether an outage was noted: every read and download looks, so the common answer
     /// ("no") takes no lock.
     private let noted = Atomic<Bool>(false)

@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// `user.storefs.download_url` (README, "Download URLs"): the Firebase token URL when the
 /// object has a download token, else a V4 signed URL when a service-account key is at hand,
@@ -41,7 +42,7 @@ public final class DownloadURL: Sendable {
     public let signer: URLSigner?
     public let access: Access
     public let ownerUID: UInt32
-    private let signed = Mutex([String: (url: String, until: Int64)]())
+    private let signed = OrderedMutex(.signedURLs, [String: (url: String, until: Int64)]())
 
     public init(tokenHost: String = firebaseHost, publicHost: String = publicHost,
                 tokenObjects: TokenObjects = .firebaseTokenURL, signer: URLSigner? = nil,
@@ -65,7 +66,7 @@ public final class DownloadURL: Sendable {
     /// - `protocol=firebase` on another endpoint (the Firebase emulator): token URLs on it.
     /// - `protocol=gcs` on another endpoint: every object, token or not, gets the endpoint's
     ///   JSON API media URL, the one URL such a server is known to serve.
-    public static func forMount(protocol storageProtocol: MountOptions.StorageProtocol, endpoint: String,
+    public static func forMount(protocol storageProtocol: StorageProtocol, endpoint: String,
                                 signer: URLSigner? = nil, access: Access = .owner, ownerUID: UInt32 = 0) -> DownloadURL {
         var origin = endpoint
         while origin.hasSuffix("/") { origin.removeLast() }

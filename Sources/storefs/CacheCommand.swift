@@ -3,10 +3,11 @@ import Glibc
 import StorefsCore
 
 /// `storefs cache status [CACHE_DIR]` and `storefs cache clear [--force] [CACHE_DIR]`
-/// (docs/operations.md, "Cache tools"). Without CACHE_DIR: every cache under the default
-/// cache root. `status` only reads (it works beside a live mount); `clear` empties a cache no
-/// mount holds, and refuses one that a mount holds unless `--force`, which asks that mount's
-/// daemon to empty it (the daemon owns its cache: nobody else deletes files under it).
+/// (docs/operations.md, "Cache tools"). Without CACHE_DIR: the default cache (one per user)
+/// and the per-source caches older versions made under it. `status` only reads (it works
+/// beside live mounts and lists them); `clear` empties a cache no mount uses, and refuses one
+/// that mounts use, naming them, unless `--force`, which asks each of their daemons to empty
+/// it (the daemons own a cache they use: nobody else deletes files under it).
 enum CacheCommand {
     static let usage = "usage: storefs cache status [CACHE_DIR] | storefs cache clear [--force] [CACHE_DIR]"
     static let clearAttribute = "user.storefs.control.clear_cache"
@@ -45,10 +46,11 @@ enum CacheCommand {
         return status
     }
 
-    /// The per-source caches (directories holding `v1/`) under the default root.
+    /// The caches (directories holding `v1/`) at the default root: the root itself, and the
+    /// per-source subdirectories older versions made.
     static func cachesUnder(_ root: String) -> [String] {
-        guard let names = try? FileManager.default.contentsOfDirectory(atPath: root) else { return [] }
-        return names.sorted().map { root + "/" + $0 }.filter { dir in
+        let names = (try? FileManager.default.contentsOfDirectory(atPath: root)) ?? []
+        return ([root] + names.sorted().map { root + "/" + $0 }).filter { dir in
             var st = stat()
             return lstat(dir + "/v\(versionNumber)", &st) == 0 && st.st_mode & S_IFMT == S_IFDIR
         }
@@ -56,11 +58,25 @@ enum CacheCommand {
 
     static var versionNumber: Int { BlockCache.formatVersion }
 
-    /// Who holds a cache, from `v1/.lock` (written by the daemon when it mounted).
+    /// Where mounts from a manifest keep its index (docs/manifest.md).
+    static let manifestIndexes = "mf-v1"
+
+    /// A mount using a cache: from its slot file (`mounts-v1/NNN`), or for an older storefs
+    /// version, which holds the cache alone (`older`), from `v1/.lock`.
     struct Holder {
-        var pid: Int?
-        var mountpoint: String?
-        var capacity: Int64?
+        var mount = CacheMount()
+        var older = false
+
+        var pid: Int? { mount.pid }
+        var mountpoint: String? { mount.mountpoint }
+        var capacity: Int64? { mount.capacity }
+        var shown: String { "pid \(pid.map(String.init) ?? "?") mounted at \(mountpoint.map(Log.escaped) ?? "?")" }
+    }
+
+    /// Every mount using the cache at `dirFD` now: the live slots, or an older version.
+    static func holders(_ dirFD: Int32) -> [Holder] {
+        if let older = holder(dirFD) { return [older] }
+        return BlockCache.liveMounts(cacheDirectoryFD: dirFD).map { Holder(mount: $0) }
     }
 
     /// Opens `dir` itself without following a link; nil and a reason otherwise.
@@ -74,9 +90,10 @@ enum CacheCommand {
         return (fd, nil)
     }
 
-    /// nil: no mount holds it; else what its lock file says. Each lock is probed through a
-    /// descriptor of its own (a new open file description, so a lock the caller holds on
-    /// `dirFD` is neither converted nor released), then closed.
+    /// An older storefs holding the cache (exclusively), and what its lock file says; nil when
+    /// none does (mounts of this version hold shared locks, found by `holders`). Each lock is
+    /// probed through a descriptor of its own (a new open file description, so a lock the
+    /// caller holds on `dirFD` is neither converted nor released), then closed.
     static func holder(_ dirFD: Int32) -> Holder? {
         var held = false
         let probe = openat(dirFD, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
@@ -85,18 +102,12 @@ enum CacheCommand {
             close(probe)
         }
         let lockFD = openat(dirFD, "v\(versionNumber)/.lock", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
-        var info = Holder()
+        var info = Holder(older: true)
         if lockFD >= 0 {
             defer { close(lockFD) }
             // Older storefs versions lock only this file.
             if flock(lockFD, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK { held = true }
-            var buffer = [UInt8](repeating: 0, count: 4096)
-            let n = buffer.withUnsafeMutableBytes { read(lockFD, $0.baseAddress, $0.count) }
-            if n > 0, let obj = try? JSONSerialization.jsonObject(with: Data(buffer[0..<n])) as? [String: Any] {
-                info.pid = obj["pid"] as? Int
-                info.mountpoint = obj["mountpoint"] as? String
-                info.capacity = (obj["capacity"] as? NSNumber)?.int64Value
-            }
+            info.mount = CacheMount.record(from: lockFD)
         }
         return held ? info : nil
     }
@@ -150,17 +161,29 @@ enum CacheCommand {
         let shown = Log.escaped(dir)
         let blocks = tally(fd, "v\(versionNumber)", remove: false)
         let namespace = tally(fd, "ns-v1", remove: false)
+        let manifests = tally(fd, manifestIndexes, remove: false)
         print("cache \(shown)")
-        print("  format:    v\(versionNumber) block files, ns-v1 namespace")
+        print("  format:    v\(versionNumber) block files, ns-v1 namespace, \(manifestIndexes) manifest indexes")
         print("  objects:   \(blocks.files) cached object generations, \(bytes(blocks.bytes)) on disk (\(blocks.bytes) bytes)")
         print("  namespace: \(namespace.files) stored source(s), \(bytes(namespace.bytes))")
-        if let h = holder(fd) {
-            let cap = h.capacity.map { "\(bytes($0)) (\($0) bytes)" } ?? "unknown"
-            print("  cap:       \(cap), set by the mount using it")
-            print("  in use:    by pid \(h.pid.map(String.init) ?? "?") mounted at \(h.mountpoint.map(Log.escaped) ?? "?")")
-        } else {
+        print("  manifests: \(manifests.files) index(es), \(bytes(manifests.bytes))")
+        let using = holders(fd)
+        if using.isEmpty {
             print("  cap:       set when mounted (cache_size=); the default here now is \(bytes(CacheLocation.defaultSize(directory: dir)))")
             print("  in use:    no (not mounted)")
+        } else if using.count == 1, let h = using.first {
+            let cap = h.capacity.map { "\(bytes($0)) (\($0) bytes)" } ?? "unknown"
+            print("  cap:       \(cap), set by the mount using it")
+            print("  in use:    by \(h.shown)")
+        } else {
+            let caps = using.compactMap { $0.capacity }
+            let cap = caps.min().map { "\(bytes($0)) (\($0) bytes)" } ?? "unknown"
+            print("  cap:       \(cap), the smallest cache_size of the \(using.count) mounts using it")
+            print("  in use:    by \(using.count) mounts, sharing it:")
+            for h in using { print("             \(h.shown)") }
+        }
+        if !using.isEmpty, !using[0].older, let counted = BlockCache.countedBytes(cacheDirectoryFD: fd) {
+            print("  counted:   \(bytes(counted)) (\(counted) bytes) by the mounts against the cap")
         }
         return 0
     }
@@ -184,17 +207,34 @@ enum CacheCommand {
             if lockFile < 0 || flock(lockFile, LOCK_EX | LOCK_NB) == 0 {
                 let blocks = tally(fd, "v\(versionNumber)", remove: true)
                 let namespace = tally(fd, "ns-v1", remove: true)
-                print("cleared \(shown): \(blocks.files) cached objects and \(namespace.files) stored namespace(s), \(bytes(blocks.bytes + namespace.bytes)) freed")
+                let manifests = tally(fd, manifestIndexes, remove: true)
+                print("cleared \(shown): \(blocks.files) cached objects, \(namespace.files) stored namespace(s) and \(manifests.files) manifest index(es), \(bytes(blocks.bytes + namespace.bytes + manifests.bytes)) freed")
                 return 0
             }
         }
-        let h = holder(fd) ?? Holder()
-        let at = h.mountpoint.map { "the mount at \(Log.escaped($0))" } ?? "a storefs mount"
+        let using = holders(fd)
+        let named = using.isEmpty ? "a storefs mount" : using.map(\.shown).joined(separator: ", ")
         guard force else {
-            return StorefsMain.fail("cache_dir \(shown) is in use by \(at) (pid \(h.pid.map(String.init) ?? "?")): unmount it first, or give --force to clear it through that mount")
+            let who = using.count > 1 ? "\(using.count) storefs mounts (\(named))" : named
+            return StorefsMain.fail("cache_dir \(shown) is in use by \(who): unmount first, or give --force to clear it through \(using.count > 1 ? "each of them" : "that mount")")
         }
+        guard !using.isEmpty else {
+            return StorefsMain.fail("cache_dir \(shown) is in use, but by no mount that says where it is: unmount it, then clear")
+        }
+        var status: Int32 = 0
+        for h in using {
+            let rc = clear(dir, through: h)
+            if rc != 0 { status = rc }
+        }
+        return status
+    }
+
+    /// `clear --force`: asks the daemon of the mount `h` to empty the cache at `dir` (in a
+    /// shared cache that empties it for every mount: each one's blocks go as it reads on).
+    static func clear(_ dir: String, through h: Holder) -> Int32 {
+        let shown = Log.escaped(dir)
         guard let mountpoint = h.mountpoint, mountedAt(mountpoint)?.hasPrefix("fuse.storefs") == true else {
-            return StorefsMain.fail("cache_dir \(shown) is in use, but its mount point is not known or not a storefs mount here: unmount it, then clear")
+            return StorefsMain.fail("cache_dir \(shown) is in use by \(h.shown), but that is not a storefs mount here: unmount it, then clear")
         }
         guard let answer = PathAttributes.get(mountpoint, clearAttribute),
               let obj = try? JSONSerialization.jsonObject(with: Data(answer)) as? [String: Any] else {

@@ -30,6 +30,8 @@ enum StorefsMain {
             return PrefetchCommand.run(arguments)
         case .cache(let arguments):
             return CacheCommand.run(arguments, environment: env)
+        case .manifest(let arguments):
+            return ManifestCommand.run(arguments, environment: env)
         }
     }
 
@@ -105,32 +107,11 @@ enum StorefsMain {
         }
 
         let env = ProcessInfoEnvironment.current()
-        let trust: TrustStore?
-        do {
-            trust = try TrustStore.chosen(caFile: o.caFile.map(absolute), environment: env)
-        } catch {
-            return fail(error.message)
-        }
-        if let trust { Log.debug("tls trust=\"\(trust.summary)\" http_version=\(o.httpVersion.rawValue)") }
-        let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
-                              userAgent: "storefs/\(version)", httpVersion: o.httpVersion, trust: trust)
-        let retry = RetryPolicy(budget: o.requestTimeout)
-        AuthLog.authSink = { message in Log.debug(message) }
         let store: ObjectStore
         let choice: CredentialChoice
-        do {
-            choice = try CredentialChoice.resolve(o, environment: env, http: http)
-            Log.debug("credentials=\(choice.summary) protocol=\(o.storageProtocol.rawValue) endpoint=\(o.resolvedEndpoint)")
-            switch o.storageProtocol {
-            case .gcs:
-                store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
-                                         credentials: choice.credentials, retry: retry)
-            case .firebase:
-                store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
-                                            credentials: choice.credentials, retry: retry)
-            }
-        } catch {
-            return fail(error.message)
+        switch connect(o, environment: env) {
+        case .success(let c): (store, choice) = (c.store, c.choice)
+        case .failure(let problem): return fail(problem.message)
         }
 
         // Download URLs point where the mount reads (README, "Download URLs").
@@ -145,8 +126,8 @@ enum StorefsMain {
         config.fileModeGiven = o.fileModeGiven
         config.ownerGiven = o.uid != nil || o.gid != nil
         config.symlinks = o.symlinks
-        guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env, endpoint: o.resolvedEndpoint,
-                                                                          bucket: o.source.bucket, prefix: o.source.prefix) else {
+        // One cache per user by default, shared by all its mounts (docs/cache.md).
+        guard let cacheDir = o.cacheDir.map(absolute) ?? CacheLocation.defaultDirectory(environment: env) else {
             return fail("no home directory to keep the block cache in: give one with -o cache_dir=DIR")
         }
         // The namespace stored beside the cache is this source's own (docs/architecture.md,
@@ -154,26 +135,42 @@ enum StorefsMain {
         let namespaceKey = "\(o.storageProtocol.rawValue)\u{0}\(o.resolvedEndpoint)\u{0}\(o.source.bucket)\u{0}\(o.source.prefix)"
         // Before any thread exists and before the mount: a wrong endpoint, bucket or credential
         // is reported here, at the prompt, not as EIO later. An unreachable bucket with a
-        // stored namespace mounts offline instead (offline=auto).
+        // stored namespace mounts offline instead (offline=auto). A mount from a manifest lists
+        // nothing: it is checked below, with the manifest's first object.
         var offlineBecause: StorageError? = nil
         var rootPage: ListPage? = nil
-        do {
-            rootPage = try store.checkAccess(prefix: o.source.rootListingPrefix)
-        } catch {
-            guard o.offline == .auto, error.code == .unreachable || error.code == .retryLimitExceeded,
-                  NamespaceStore.hasStoredNamespace(cacheDirectory: cacheDir, source: namespaceKey) else {
-                return fail(error.message)
+        if o.manifest == nil {
+            do {
+                rootPage = try store.checkAccess(prefix: o.source.rootListingPrefix)
+            } catch {
+                guard o.offline == .auto, error.code == .unreachable || error.code == .retryLimitExceeded,
+                      NamespaceStore.hasStoredNamespace(cacheDirectory: cacheDir, source: namespaceKey) else {
+                    return fail(error.message)
+                }
+                offlineBecause = error
             }
-            offlineBecause = error
         }
+        // Every thread the daemon runs comes from these pools, made here once; none starts
+        // before its first job, after daemonizing.
+        let pools = WorkerPools()
         let cache: BlockCache
-        let namespace: NamespaceStore
+        let namespace: NamespaceStore?
         do {
             cache = try BlockCache(directory: cacheDir, capacity: o.cacheSize ?? CacheLocation.defaultSize(directory: cacheDir),
                                    blockSize: o.blockSize, directWrites: o.cacheIO == .direct)
-            namespace = try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey)
+            namespace = o.manifest == nil ? try NamespaceStore(cacheDirectory: cacheDir, source: namespaceKey, writer: pools.namespace) : nil
         } catch {
             return fail(error.message)
+        }
+        var manifest: ManifestNamespace? = nil
+        if let path = o.manifest {
+            switch ManifestCommand.openForMount(absolute(path), o, cacheDirectory: cacheDir, store: store) {
+            case .success(let (opened, unreachable)):
+                manifest = opened
+                offlineBecause = unreachable
+            case .failure(let problem):
+                return fail(problem.message)
+            }
         }
         var metrics: MetricsServer? = nil
         if let address = o.metrics {
@@ -189,8 +186,9 @@ enum StorefsMain {
                                  config: .init(blockSize: o.blockSize, readAhead: o.readAhead ?? o.memoryLimit,
                                                parallel: o.parallel ?? MountOptions.maxParallel,
                                                memoryLimit: o.memoryLimit, cacheWrites: o.cacheWrites,
-                                               adaptive: o.parallel == nil))
-        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace)
+                                               adaptive: o.parallel == nil, wholeObjectLimit: o.wholeFileLimit),
+                                 pools: pools)
+        let fs = Filesystem(store: store, reference: o.source, config: config, reader: reader, namespace: namespace, manifest: manifest)
         if let offlineBecause {
             fs.startOffline(offlineBecause)
             Log.warn("\(offlineBecause.message): mounting offline from what \(cacheDir) holds (offline=auto); uncached reads fail with EIO until the bucket answers")
@@ -205,7 +203,7 @@ enum StorefsMain {
                                             mountFlags: [o.exec ? "exec" : "noexec", o.suid ? "suid" : "nosuid",
                                                          o.dev ? "dev" : "nodev"])
         do {
-            return try FuseSession.run(fs, settings, ready: {
+            return try FuseSession.run(fs, settings, pools: pools, ready: {
                 MemoryReturn.startTrimming()
                 Log.startBackground()
                 // After the fork: keeping a listing writes the stored namespace, whose writer
@@ -216,6 +214,50 @@ enum StorefsMain {
             })
         } catch {
             return fail(error.message)
+        }
+    }
+}
+
+extension StorefsMain {
+    /// What a command reads SOURCE through.
+    struct Connection {
+        var store: ObjectStore
+        var choice: CredentialChoice
+    }
+
+    struct Problem: Error {
+        let message: String
+    }
+
+    /// The store of `o`'s SOURCE, endpoint and credentials (README, "Which credentials a mount
+    /// uses"): the mount's and `storefs manifest`'s.
+    static func connect(_ o: MountOptions, environment env: [String: String]) -> Result<Connection, Problem> {
+        let trust: TrustStore?
+        do {
+            trust = try TrustStore.chosen(caFile: o.caFile.map(absolute), environment: env)
+        } catch {
+            return .failure(Problem(message: error.message))
+        }
+        if let trust { Log.debug("tls trust=\"\(trust.summary)\" http_version=\(o.httpVersion.rawValue)") }
+        let http = HTTPClient(timeouts: .init(connect: o.connectTimeout, response: o.responseTimeout),
+                              userAgent: "storefs/\(version)", httpVersion: o.httpVersion, trust: trust)
+        let retry = RetryPolicy(budget: o.requestTimeout)
+        AuthLog.authSink = { message in Log.debug(message) }
+        do {
+            let choice = try CredentialChoice.resolve(o, environment: env, http: http)
+            Log.debug("credentials=\(choice.summary) protocol=\(o.storageProtocol.rawValue) endpoint=\(o.resolvedEndpoint)")
+            let store: ObjectStore
+            switch o.storageProtocol {
+            case .gcs:
+                store = try GCSJSONStore(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
+                                         credentials: choice.credentials, retry: retry)
+            case .firebase:
+                store = try FirebaseV0Store(bucket: o.source.bucket, endpoint: o.resolvedEndpoint, http: http,
+                                            credentials: choice.credentials, retry: retry)
+            }
+            return .success(Connection(store: store, choice: choice))
+        } catch {
+            return .failure(Problem(message: error.message))
         }
     }
 }
@@ -276,7 +318,7 @@ private func raiseDescriptorLimit() {
 }
 
 /// `path` made absolute against the working directory (the daemon later runs in `/`).
-private func absolute(_ path: String) -> String {
+func absolute(_ path: String) -> String {
     if path.hasPrefix("/") { return path }
     guard let cwd = getcwd(nil, 0) else { return path }
     defer { free(cwd) }
@@ -296,25 +338,9 @@ enum ProcessInfoEnvironment {
     }
 }
 
-/// What is mounted at `path` ("fuse.storefs gs://b"), if `path` is a mount point
-/// (`/proc/self/mountinfo`, whose paths escape space, tab, newline and `\` as octal).
+/// What is mounted at `path` ("fuse.storefs gs://b"), if `path` is a mount point.
 func mountedAt(_ path: String) -> String? {
-    guard let info = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return nil }
-    var escaped: [UInt8] = []
-    for b in path.utf8 {
-        switch b {
-        case 0x20, 0x09, 0x0A, 0x5C: escaped += Array(("\\" + String(b, radix: 8).leftPadded(to: 3)).utf8)
-        default: escaped.append(b)
-        }
-    }
-    for line in info.split(separator: "\n") {
-        let fields = line.split(separator: " ")
-        guard fields.count > 4, fields[4].utf8.elementsEqual(escaped) else { continue }
-        let rest = line.components(separatedBy: " - ")
-        let tail = rest.count > 1 ? rest[1].split(separator: " ") : []
-        return tail.count >= 2 ? "\(tail[0]) \(tail[1])" : "mounted"
-    }
-    return nil
+    MountTable.current()?.mount(at: path).map { "\($0.type) \($0.source)" }
 }
 
 /// Whether the directory has any entry besides `.` and `..`.
@@ -326,9 +352,5 @@ func isNonEmptyDirectory(_ path: String) -> Bool {
         if name != "." && name != ".." { return true }
     }
     return false
-}
-
-private extension String {
-    func leftPadded(to n: Int) -> String { String(repeating: "0", count: max(0, n - count)) + self }
 }
 

@@ -32,7 +32,7 @@ import StorageClient
         for i in 0..<10 { store.names.append("d/f\(i)") }
         let fs = Filesystem(store: store, reference: StorageReference(bucket: "b"), config: .init(statTTL: 60, listTTL: 60))
         let d = try fs.lookup(parent: Filesystem.rootInode, name: "d")
-        let h = try fs.openDirectory(d.inode)
+        let h = try fs.openListedDirectory(d.inode)
         let entries = try fs.readDirectory(h, from: 0)
         // As the readdirplus op does: how many fit, then one batch of lookups for those.
         let fit = DirectoryReply.fitting(entries.map { _ in 48 }, into: 5 * 48 + 47)
@@ -66,7 +66,8 @@ final class MemoryStoreForAdapter: ObjectStore, @unchecked Sendable {
         ObjectMetadata(name: name, bucket: bucket, size: 1, generation: 1, updated: Timestamp(seconds: 0))
     }
 
-    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
+    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?,
+              connection: ConnectionClaim?) throws(StorageError) -> ListPage {
         let direct = names.filter { $0.hasPrefix(prefix) && !$0.dropFirst(prefix.count).contains("/") }
         let dirs = Set(names.filter { $0.hasPrefix(prefix) && $0.dropFirst(prefix.count).contains("/") }
             .map { prefix + $0.dropFirst(prefix.count).split(separator: "/")[0] + "/" })
@@ -83,7 +84,9 @@ final class MemoryStoreForAdapter: ObjectStore, @unchecked Sendable {
     }
 
     func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
-              isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {}
+              isCancelled: (@Sendable () -> Bool)?, connection: ConnectionClaim?) throws(StorageError) -> ReadTiming {
+        ReadTiming(firstByte: 0)
+    }
 
     func checkAccess(prefix: String) throws(StorageError) -> ListPage? { nil }
 }

@@ -82,7 +82,8 @@ final class RawHTTPServer: @unchecked Sendable {
         let http = HTTPClient(timeouts: timeouts, userAgent: "test")
         var out = [UInt8](repeating: 0, count: count)
         try out.withUnsafeMutableBytes {
-            _ = try http.getRange(server.url, headers: [], start: start, into: $0, deadline: deadline, isCancelled: isCancelled)
+            _ = try http.getRange(server.url, headers: [], start: start, into: $0, deadline: deadline,
+                                  options: RequestOptions(isCancelled: isCancelled))
         }
         return String(decoding: out, as: UTF8.self)
     }
@@ -248,7 +249,7 @@ final class RawHTTPServer: @unchecked Sendable {
     }
 
     /// How far the server is, read-ahead learns from each request's first byte
-    /// (`StorageTelemetry.lastFirstByte`, docs/architecture.md "Adaptive transfers"): the server
+    /// (`HTTPResponse.firstByte`, docs/architecture.md "Adaptive transfers"): the server
     /// here answers 40 ms after a request arrives, and the first byte measures at least that on
     /// a new connection (its set-up left out) and on a reused one (curl's connect time is 0
     /// there), with the caller's thread made to wait 80 ms in curl's progress callback once the
@@ -267,16 +268,16 @@ final class RawHTTPServer: @unchecked Sendable {
         for request in 1...2 {
             let waited = Atomic<Bool>(false)
             var out = [UInt8](repeating: 0, count: 10)
-            try out.withUnsafeMutableBytes {
-                _ = try http.getRange(server.url, headers: [], start: 30, into: $0, deadline: nil, isCancelled: {
+            let response = try out.withUnsafeMutableBytes {
+                try http.getRange(server.url, headers: [], start: 30, into: $0, deadline: nil, options: RequestOptions(isCancelled: {
                     if arrived.load(ordering: .sequentiallyConsistent) == request, !waited.exchange(true, ordering: .sequentiallyConsistent) {
                         Thread.sleep(forTimeInterval: 0.08)
                     }
                     return false
-                })
+                }))
             }
             #expect(String(decoding: out, as: UTF8.self) == String(Self.object.dropFirst(30).prefix(10)))
-            let didWait = waited.load(ordering: .sequentiallyConsistent), firstByte = StorageTelemetry.lastFirstByte
+            let didWait = waited.load(ordering: .sequentiallyConsistent), firstByte = response.firstByte
             #expect(didWait, "request \(request): the thread waited after its request arrived")
             #expect(firstByte >= 0.038 && firstByte < 5, "request \(request): first byte \(firstByte) s")
         }
@@ -361,8 +362,8 @@ final class RawHTTPServer: @unchecked Sendable {
         }
     }
 
-    func connection(_ http: HTTPClient, _ server: RawHTTPServer) throws -> String {
-        String(decoding: try http.get(server.url, headers: []).body, as: UTF8.self)
+    func connection(_ http: HTTPClient, _ server: RawHTTPServer, claim: ConnectionClaim? = nil) throws -> String {
+        String(decoding: try http.get(server.url, headers: [], options: RequestOptions(connection: claim)).body, as: UTF8.self)
     }
 
     @Test func aClaimedConnectionCarriesOnlyTheClaimantsRequest() throws {
@@ -380,7 +381,7 @@ final class RawHTTPServer: @unchecked Sendable {
         // ...while the claimant's request, on another thread, takes the warm one.
         let claimant = Mutex<String?>(nil)
         let t = Thread {
-            let answer = try? ConnectionClaim.run(claim) { try connection(http, server) }
+            let answer = try? connection(http, server, claim: claim)
             claimant.withLock { $0 = answer }
         }
         t.start()
@@ -394,7 +395,7 @@ final class RawHTTPServer: @unchecked Sendable {
         defer { server.stop() }
         let http = HTTPClient(userAgent: "storefs-test")
         let warm = try connection(http, server)
-        ConnectionClaim.run(http.claimIdleConnection()) {}
+        do { _ = http.claimIdleConnection() }  // claimed, and let go unused
         #expect(try connection(http, server) == warm)
         do { _ = http.claimIdleConnection() }  // dropped unused
         #expect(try connection(http, server) == warm)

@@ -25,16 +25,20 @@ import Testing
         #expect(StorageTelemetry.target(of: "http://h/a@b/c") == "http://h/a@b/c")
     }
 
-    @Test func retriesRunWithTheirTryNumberAndRestoreTheOuterOne() throws {
-        StorageTelemetry.attempt = 7
+    @Test func retriesRunWithTheirTryNumberAndAnInnerOperationCountsItsOwn() throws {
         var seen: [Int] = []
+        var inner: [Int] = []
         let policy = RetryPolicy(attempts: 3, firstDelay: 0.001, maxDelay: 0.002, budget: 5)
-        _ = try? policy.run { _ throws(StorageError) -> Int in
-            seen.append(StorageTelemetry.attempt)
+        _ = try? policy.run { t throws(StorageError) -> Int in
+            seen.append(t.number)
+            // A token fetch runs inside a read's try, with tries of its own.
+            _ = try? RetryPolicy(attempts: 2, firstDelay: 0.001, maxDelay: 0.002, budget: 5).run { u throws(StorageError) -> Int in
+                inner.append(u.number)
+                throw StorageError(.retryLimitExceeded, "again")
+            }
             throw StorageError(.retryLimitExceeded, "again")
         }
         #expect(seen == [1, 2, 3])
-        #expect(StorageTelemetry.attempt == 7)
-        StorageTelemetry.attempt = 0
+        #expect(inner == [1, 2, 1, 2, 1, 2])
     }
 }

@@ -113,7 +113,7 @@ import Testing
         defer { server.stop() }
         let http = HTTPClient(userAgent: "test")
         let url = "https://127.0.0.1:\(server.port)/o"
-        #expect { _ = try RetryPolicy().run { deadline throws(StorageError) in try http.get(url, headers: [], deadline: deadline) } } throws: {
+        #expect { _ = try RetryPolicy().run { t throws(StorageError) in try http.get(url, headers: [], deadline: t.deadline) } } throws: {
             let e = $0 as? StorageError
             return e?.code == .tlsFailure && e?.message.contains("TLS handshake with https://127.0.0.1:\(server.port) failed") == true
         }

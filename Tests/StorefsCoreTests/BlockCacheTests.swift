@@ -4,22 +4,13 @@ import Glibc
 import Testing
 import StorageClient
 @testable import StorefsCore
-
-func temporaryDirectory() -> String {
-    let path = NSTemporaryDirectory() + "storefs-test-\(UUID().uuidString)"
-    try! FileManager.default.createDirectory(atPath: path, withIntermediateDirectories: true)
-    return path
-}
+import StorefsTestSupport
 
 /// Disk space a file takes (its allocated blocks, written or not).
 func allocatedBytes(_ path: String) -> Int64 {
     var st = stat()
     _ = stat(path, &st)
     return Int64(st.st_blocks) * 512
-}
-
-func pattern(_ count: Int, seed: UInt8 = 7) -> [UInt8] {
-    (0..<count).map { UInt8(truncatingIfNeeded: $0 &* 31 &+ Int(seed) &+ ($0 >> 11)) }
 }
 
 /// Which pages of the file at `path` from `offset` for `length` bytes are in the page cache.
@@ -514,13 +505,18 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(onDisk <= cap + 8192, "allocated \(onDisk)")
     }
 
-    @Test func oneProcessPerCacheDirectory() throws {
-        // flock is per open file description: a second open in this process conflicts too.
+    @Test func aCacheDirectoryAnOlderStorefsHoldsIsRefused() throws {
+        // Older versions (and `storefs cache clear`) lock cache_dir exclusively; mounts share it.
         let first = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
-        #expect { _ = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096) } throws: {
-            ($0 as? FilesystemError)?.message.contains("in use by another storefs process") == true
+        let second = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        withExtendedLifetime((first, second)) {}
+        let other = temporaryDirectory()
+        let old = open(other, O_RDONLY | O_DIRECTORY)
+        defer { close(old) }
+        #expect(flock(old, LOCK_EX | LOCK_NB) == 0)
+        #expect { _ = try BlockCache(directory: other, capacity: 1 << 20, blockSize: 4096) } throws: {
+            ($0 as? FilesystemError)?.message.contains("held by an older storefs version") == true
         }
-        withExtendedLifetime(first) {}
     }
 
     @Test func racingFirstOpensShareOneFile() throws {
@@ -698,7 +694,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
             Thread {
                 let stream = reader.openStream(meta)
                 var out = [UInt8](repeating: 0, count: 4096)
-                try? out.withUnsafeMutableBytes { try reader.read(stream, at: 70_000, into: $0, observed: false, isCancelled: nil) }
+                try? out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 70_000, into: $0, isCancelled: nil) }
                 results.withLock { $0.append(out) }
                 group.leave()
             }.start()
@@ -723,12 +719,12 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         store.delayReads(0.5)
         var scratch = [UInt8](repeating: 0, count: 1 << 20)
         // b's sequential reads queue three 4 MiB parts on the one prefetch thread (1.5 s)...
-        for mib in 0..<3 { _ = scratch.withUnsafeMutableBytes { reader.readCached(b, at: Int64(mib) << 20, into: $0) } }
+        for mib in 0..<3 { _ = scratch.withUnsafeMutableBytes { reader.readHere(b, at: Int64(mib) << 20, into: $0) } }
         // ...then a's first read queues a's first part behind them.
-        _ = scratch.withUnsafeMutableBytes { reader.readCached(a, at: 0, into: $0) }
+        _ = scratch.withUnsafeMutableBytes { reader.readHere(a, at: 0, into: $0) }
         let start = Date()
         var out = [UInt8](repeating: 0, count: 4096)
-        try out.withUnsafeMutableBytes { try reader.read(a, at: 2 << 20, into: $0, observed: false, isCancelled: nil) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(a, at: 2 << 20, into: $0, isCancelled: nil) }
         let took = Date().timeIntervalSince(start)
         // One download (0.5 s) rather than four in a row (2 s).
         #expect(took < 1.5, "waited behind b's read-ahead")
@@ -738,17 +734,19 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
 
     @Test func randomReadFetchesOnlyItsBlocksAndHitsNeedNoNetwork() throws {
         let store = MemoryStore()
-        store.put("f", pattern(4 << 20))
+        // Larger than `BlockReader.defaultWholeObjectLimit`: a miss fetches its block, not the object.
+        let size = Int(BlockReader.defaultWholeObjectLimit) * 2
+        store.put("f", pattern(size))
         let dir = temporaryDirectory()
         let cache = try BlockCache(directory: dir, capacity: 64 << 20, blockSize: 64 << 10)
         let reader = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 64 << 10))
         let meta = try store.metadata(of: "f")
         let stream = reader.openStream(meta)
         var out = [UInt8](repeating: 0, count: 4096)
-        try out.withUnsafeMutableBytes { try reader.read(stream, at: 3_000_000, into: $0, observed: false, isCancelled: nil) }
-        #expect(out == Array(pattern(4 << 20)[3_000_000..<3_004_096]))
+        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 3_000_000, into: $0, isCancelled: nil) }
+        #expect(out == Array(pattern(size)[3_000_000..<3_004_096]))
         #expect(store.requests.read == 1 && store.bytesRead == 64 << 10)
-        #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: 3_000_100, into: $0) })
+        #expect(out.withUnsafeMutableBytes { reader.readHere(stream, at: 3_000_100, into: $0) })
         #expect(store.requests.read == 1)
         reader.closeStream(stream)
     }
@@ -762,7 +760,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<2 {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: Int64(i) << 20, into: $0, isCancelled: nil) }
         }
         reader.finishPendingWork(timeout: 10)
         #expect(reader.transfers.isNear)
@@ -782,7 +780,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         var sent: [UInt8] = []
         var wasSent = false
         #expect(out.withUnsafeMutableBytes { dst in
-            reader.readCached(stream, at: 2 << 20, into: dst, send: { sent = Array($0) }, sent: &wasSent)
+            reader.readHere(stream, at: 2 << 20, into: dst, borrowed: { sent = Array($0); wasSent = true })
         })
         #expect(wasSent && sent == Array(bytes[(2 << 20)..<(3 << 20)]), "served from the download's buffer")
         #expect(stream.flights.flight(for: (2 << 20) / (16 << 10)).map(ObjectIdentifier.init) != part,
@@ -790,7 +788,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         // That read widened the window to 3..11 MiB: once landed, every MiB is served.
         reader.finishPendingWork(timeout: 10)
         for i in 3..<11 {
-            #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: Int64(i) << 20, into: $0) }, "at \(i) MiB")
+            #expect(out.withUnsafeMutableBytes { reader.readHere(stream, at: Int64(i) << 20, into: $0) }, "at \(i) MiB")
             #expect(out == Array(bytes[(i << 20)..<((i + 1) << 20)]))
         }
         reader.finishPendingWork(timeout: 10)
@@ -815,8 +813,8 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         var sentFrom: UnsafeRawPointer?
         // The reader's own download of 0..1 MiB.
         try out.withUnsafeMutableBytes { dst in
-            try reader.read(stream, at: 0, into: dst, observed: false, isCancelled: nil, afterReply: nil,
-                            send: { sent = Array($0); sentFrom = $0.baseAddress }, sent: &wasSent)
+            try reader.readWaiting(stream, at: 0, into: dst, isCancelled: nil,
+                                   borrowed: { sent = Array($0); sentFrom = $0.baseAddress; wasSent = true })
             #expect(sentFrom != UnsafeRawPointer(dst.baseAddress))
         }
         #expect(wasSent && sent == Array(bytes[0..<(1 << 20)]), "replied from the download's buffer")
@@ -826,8 +824,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         reader.finishPendingWork(timeout: 10)
         wasSent = false
         try out.withUnsafeMutableBytes { dst in
-            try reader.read(stream, at: 1 << 19, into: dst, observed: false, isCancelled: nil, afterReply: nil,
-                            send: { _ in }, sent: &wasSent)
+            try reader.readWaiting(stream, at: 1 << 19, into: dst, isCancelled: nil, borrowed: { _ in wasSent = true })
         }
         #expect(!wasSent && out.elementsEqual(bytes[(1 << 19)..<((1 << 19) + (1 << 20))]), "copied into the reply buffer")
     }
@@ -843,7 +840,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<2 {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: Int64(i) << 20, into: $0, isCancelled: nil) }
         }
         reader.finishPendingWork(timeout: 10)
         #expect(!reader.transfers.isNear)
@@ -855,7 +852,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         var sent: [UInt8] = []
         var wasSent = false
         #expect(out.withUnsafeMutableBytes { dst in
-            reader.readCached(stream, at: 2 << 20, into: dst, send: { sent = Array($0) }, sent: &wasSent)
+            reader.readHere(stream, at: 2 << 20, into: dst, borrowed: { sent = Array($0); wasSent = true })
         })
         #expect(wasSent && sent.elementsEqual(bytes[(2 << 20)..<(3 << 20)]), "replied from memory")
         reader.finishPendingWork(timeout: 10)
@@ -876,7 +873,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         defer { reader.closeStream(stream) }
         var out = [UInt8](repeating: 0, count: 4096)
         func readHead() throws {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: { false }) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: { false }) }
         }
         #expect(throws: StorageError.self) { try readHead() }
         let asked = store.requests.read
@@ -902,7 +899,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<2 {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: Int64(i) << 20, into: $0, isCancelled: nil) }
         }
         // The second read waited for the part (the only one: the window does not grow yet).
         #expect(out == Array(bytes[(1 << 20)..<(2 << 20)]))
@@ -926,7 +923,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     private func readOn(_ reader: BlockReader, _ stream: BlockReader.Stream, from first: Int = 0, mib count: Int) throws {
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in first..<(first + count) {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: Int64(i) << 20, into: $0, isCancelled: nil) }
         }
     }
 
@@ -972,7 +969,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         // One small read far into the file first: the server is judged near before any window
         // opens.
         var small = [UInt8](repeating: 0, count: 4096)
-        try small.withUnsafeMutableBytes { try reader.read(stream, at: 20 << 20, into: $0, observed: false, isCancelled: nil) }
+        try small.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 20 << 20, into: $0, isCancelled: nil) }
         #expect(reader.transfers.isNear)
         try readOn(reader, stream, mib: 4)
         #expect(settledConnections(near) == 1 && near.connectionsOpened == 0, "opened ahead near the server")
@@ -984,7 +981,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let headReader = try adaptive(far)
         let head = headReader.openStream(try far.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 4096)
-        try out.withUnsafeMutableBytes { try headReader.read(head, at: 0, into: $0, observed: false, isCancelled: nil) }
+        try out.withUnsafeMutableBytes { try headReader.readWaiting(head, at: 0, into: $0, isCancelled: nil) }
         #expect(settledConnections(far) == 1 && far.connectionsOpened == 0, "opened ahead for one small read")
         headReader.finishPendingWork(timeout: 10)
         headReader.closeStream(head)
@@ -1000,7 +997,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         // A lookup's answer, as far as distance goes: the store answered, no download landed.
         let lookup = { (store: MemoryStore) throws in
             let generation = try store.metadata(of: "f").generation
-            try byte.withUnsafeMutableBytes { try store.read("f", generation: generation, offset: 0, into: $0, isCancelled: nil) }
+            _ = try byte.withUnsafeMutableBytes { try store.read("f", generation: generation, offset: 0, into: $0, isCancelled: nil) }
         }
         try lookup(near)
         let nearReader = try adaptive(near)
@@ -1023,7 +1020,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let fill = BlockReader(store: store, cache: cache, endpoint: "e", config: .init(blockSize: 16 << 10, readAhead: 0))
         let filled = fill.openStream(meta)
         var whole = [UInt8](repeating: 0, count: 24 << 20)
-        try whole.withUnsafeMutableBytes { try fill.read(filled, at: 0, into: $0, observed: false, isCancelled: nil) }
+        try whole.withUnsafeMutableBytes { try fill.readWaiting(filled, at: 0, into: $0, isCancelled: nil) }
         fill.finishPendingWork(timeout: 10)
         fill.closeStream(filled)
         // A new reader over the same cache (a remount), far from the server: the reads find
@@ -1043,10 +1040,10 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         var out = [UInt8](repeating: 0, count: 1 << 20)
         let first = reader.openStream(meta)
         // A large first read starts read-ahead of 1..5 MiB; the file is closed while it runs.
-        #expect(!out.withUnsafeMutableBytes { reader.readCached(first, at: 0, into: $0) })
+        #expect(!out.withUnsafeMutableBytes { reader.readHere(first, at: 0, into: $0) })
         reader.closeStream(first)
         let second = reader.openStream(meta)
-        try out.withUnsafeMutableBytes { try reader.read(second, at: 1 << 20, into: $0, observed: false, isCancelled: nil) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(second, at: 1 << 20, into: $0, isCancelled: nil) }
         #expect(out == Array(bytes[(1 << 20)..<(2 << 20)]))
         #expect(store.requests.read == 1, "the reopened file waited for the running download instead of fetching again")
         reader.closeStream(second)
@@ -1067,7 +1064,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let result = Mutex<[UInt8]?>(nil)
         Thread {
             var got = [UInt8](repeating: 0, count: 1 << 20)
-            try? got.withUnsafeMutableBytes { try reader.read(a, at: 0, into: $0, observed: false, isCancelled: nil) }
+            try? got.withUnsafeMutableBytes { try reader.readWaiting(a, at: 0, into: $0, isCancelled: nil) }
             result.withLock { $0 = got }
             done.signal()
         }.start()
@@ -1110,7 +1107,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         Thread {
             var out = [UInt8](repeating: 0, count: 1 << 20)
             for i in 0..<24 {
-                try? out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+                try? out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: Int64(i) << 20, into: $0, isCancelled: nil) }
                 if out != Array(bytes[(i << 20)..<((i + 1) << 20)]) { same.withLock { $0 = false } }
             }
             done.signal()
@@ -1131,7 +1128,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let stream = reader.openStream(try store.metadata(of: "f"))
         var out = [UInt8](repeating: 0, count: 1 << 20)
         for i in 0..<16 {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: Int64(i) << 20, into: $0, observed: false, isCancelled: nil) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: Int64(i) << 20, into: $0, isCancelled: nil) }
             #expect(out == Array(bytes[(i << 20)..<((i + 1) << 20)]))
         }
         #expect(writer.queued == 1 && writer.skipped == 0, "cache_writes=all went through the writer")
@@ -1154,7 +1151,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         var out = [UInt8](repeating: 0, count: 4096)
         let start = Date()
         #expect {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: { true }) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: { true }) }
         } throws: { ($0 as? StorageError)?.code == .cancelled }
         #expect(Date().timeIntervalSince(start) < 2)
     }

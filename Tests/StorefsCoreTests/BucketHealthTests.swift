@@ -3,6 +3,7 @@ import Glibc
 import StorageClient
 import Testing
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// BucketHealth's state (docs/security.md, "Time bounds"; issue 49, items 1 and 2): while an
 /// outage is assumed one operation at a time asks (half-open), the first success ends it, and
@@ -19,7 +20,7 @@ import Testing
 
     func read(_ fs: Filesystem, _ handle: UInt64, count: Int, isCancelled: (@Sendable () -> Bool)? = nil) throws -> [UInt8] {
         var out = [UInt8](repeating: 0, count: count)
-        let n = try out.withUnsafeMutableBytes { try fs.read(handle, at: 0, into: $0, isCancelled: isCancelled) }
+        let n = try out.withUnsafeMutableBytes { try fs.readWaiting(handle, at: 0, into: $0, isCancelled: isCancelled) }
         return Array(out.prefix(n))
     }
 
@@ -121,7 +122,7 @@ import Testing
         let asked = store.requests
         let h = try fs.open(c.inode, flags: O_RDONLY).handle
         var out = [UInt8](repeating: 0, count: bytes.count)
-        let n = try out.withUnsafeMutableBytes { try fs.readCached(h, at: 0, into: $0) }
+        let n = try out.withUnsafeMutableBytes { try fs.readHere(h, at: 0, into: $0) } ?? 0
         #expect(n == bytes.count && out == bytes, "served from the cache on the FUSE thread")
         #expect(try read(fs, h, count: bytes.count) == bytes, "and by a read that may ask")
         #expect(store.requests == asked, "nothing was asked")

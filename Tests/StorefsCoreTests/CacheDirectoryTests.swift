@@ -3,6 +3,7 @@ import Glibc
 import Testing
 import StorageClient
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// The cache directory as another local user would attack it (docs/security.md). These run as
 /// root (as CI does): "another user" is uid 65534, made the owner with chown.

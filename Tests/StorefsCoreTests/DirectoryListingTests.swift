@@ -96,7 +96,7 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
 
     /// Google's endpoints and protocol=firebase keep the Firebase token URL.
     @Test(arguments: [
-        (MountOptions.StorageProtocol.gcs, "https://storage.googleapis.com",
+        (StorageProtocol.gcs, "https://storage.googleapis.com",
          "https://firebasestorage.googleapis.com/v0/b/b/o/d%2Ff?alt=media&token=t", "https://storage.googleapis.com/b/d/f"),
         (.gcs, "https://firebasestorage.googleapis.com/",
          "https://firebasestorage.googleapis.com/v0/b/b/o/d%2Ff?alt=media&token=t", "https://storage.googleapis.com/b/d/f"),
@@ -105,7 +105,7 @@ func object(_ name: String, size: Int64 = 1, generation: Int64 = 1) -> ObjectMet
         (.firebase, "http://127.0.0.1:9199",
          "http://127.0.0.1:9199/v0/b/b/o/d%2Ff?alt=media&token=t", "http://127.0.0.1:9199/download/storage/v1/b/b/o/d%2Ff?alt=media"),
     ])
-    func tokenURLsStayOnGoogleAndOnFirebase(p: MountOptions.StorageProtocol, endpoint: String, token: String, plain: String) {
+    func tokenURLsStayOnGoogleAndOnFirebase(p: StorageProtocol, endpoint: String, token: String, plain: String) {
         var m = object("d/f")
         m.downloadTokens = ["t"]
         let urls = DownloadURL.forMount(protocol: p, endpoint: endpoint, ownerUID: 0)

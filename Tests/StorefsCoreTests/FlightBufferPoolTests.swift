@@ -2,6 +2,7 @@ import Foundation
 import Synchronization
 import Testing
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// Download buffers are recycled within a bound on resident bytes that counts the regions in
 /// use as well as the free ones (docs/architecture.md, "Adaptive transfers": Buffers).
@@ -115,8 +116,8 @@ import Testing
         defer { reader.finishPendingWork(timeout: 10) }
         @Sendable func read(_ stream: BlockReader.Stream, at offset: Int64, count: Int) throws {
             var out = [UInt8](repeating: 0, count: count)
-            if !out.withUnsafeMutableBytes({ reader.readCached(stream, at: offset, into: $0) }) {
-                try out.withUnsafeMutableBytes { try reader.read(stream, at: offset, into: $0, observed: true, isCancelled: nil) }
+            if !out.withUnsafeMutableBytes({ reader.readHere(stream, at: offset, into: $0) }) {
+                try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: offset, into: $0, isCancelled: nil) }
             }
         }
         let seq = reader.openStream(try store.metadata(of: "seq"))
@@ -173,8 +174,8 @@ import Testing
                 var out = [UInt8](repeating: 0, count: 1 << 20)
                 let offset = Int64(i) << 20
                 do {
-                    if !out.withUnsafeMutableBytes({ reader.readCached(stream, at: offset, into: $0) }) {
-                        try out.withUnsafeMutableBytes { try reader.read(stream, at: offset, into: $0, observed: true, isCancelled: nil) }
+                    if !out.withUnsafeMutableBytes({ reader.readHere(stream, at: offset, into: $0) }) {
+                        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: offset, into: $0, isCancelled: nil) }
                     }
                     if out[...] != bytes[Int(offset)..<Int(offset) + (1 << 20)] { failures.withLock { $0 += 1 } }
                 } catch {

@@ -2,6 +2,7 @@ import Foundation
 import Testing
 import StorageClient
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// End-to-end integrity (docs/integrity.md): once every block of an object is cached, the
 /// blocks' CRC32Cs combined must equal the object's crc32c.
@@ -34,7 +35,10 @@ import StorageClient
         store.put("f", bytes, crc32c: true)
         let cache = try BlockCache(directory: temporaryDirectory(), capacity: 64 << 20, blockSize: 16 << 10)
         let reader = BlockReader(store: store, cache: cache, endpoint: "e",
-                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20))
+                                 // Small objects read in ranges, as large ones are: the check of an object
+                                 // completed piece by piece is what these tests are about.
+                                 config: .init(blockSize: 16 << 10, readAhead: 0, partSize: 4 << 20, memoryLimit: 64 << 20,
+                                               wholeObjectLimit: 0))
         return (store, bytes, cache, reader, try store.metadata(of: "f"))
     }
 
@@ -42,7 +46,7 @@ import StorageClient
         let stream = reader.openStream(meta)
         defer { reader.closeStream(stream) }
         var out = [UInt8](repeating: 0, count: Int(meta.size))
-        try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: nil) }
         return out
     }
 
@@ -81,19 +85,19 @@ import StorageClient
     }
 
     /// Reads a 100,000-byte object in two: the first 64 KiB (its cache copy made), then the rest
-    /// as the daemon's FUSE thread does, its cache copy left to `afterReply` (not run here).
+    /// as the daemon's FUSE thread does, its cache copy left to `held` (not finished here).
     /// `corruptingTail`: the tail's first download comes back with a flipped byte.
     func readInTwo(_ reader: BlockReader, _ store: MemoryStore, _ meta: ObjectMetadata,
-                   corruptingTail: Bool, afterReply: AfterReply) throws -> [UInt8] {
+                   corruptingTail: Bool, held: HeldReply) throws -> [UInt8] {
         let stream = reader.openStream(meta)
         defer { reader.closeStream(stream) }
         var head = [UInt8](repeating: 0, count: 65_536)
-        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        try head.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: nil) }
         reader.finishPendingWork(timeout: 10)
         if corruptingTail { store.corruptNextReads(1) }
         var tail = [UInt8](repeating: 0, count: Int(meta.size) - 65_536)
         try tail.withUnsafeMutableBytes {
-            try reader.read(stream, at: 65_536, into: $0, observed: false, isCancelled: { false }, afterReply: afterReply)
+            try reader.readWaiting(stream, at: 65_536, into: $0, isCancelled: { false }, held: held)
         }
         return head + tail
     }
@@ -104,14 +108,14 @@ import StorageClient
     /// written after the reply, is checked again from the index.
     @Test func theReadThatCompletesAnObjectRepliesBeforeItsCacheCopyIsWritten() throws {
         let (store, bytes, cache, reader, meta) = try setUp(size: 100_000)
-        let afterReply = AfterReply()
-        #expect(try readInTwo(reader, store, meta, corruptingTail: false, afterReply: afterReply) == bytes)
+        let held = HeldReply()
+        #expect(try readInTwo(reader, store, meta, corruptingTail: false, held: held) == bytes)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))
         defer { cache.release(o) }
         // Replied: the last blocks are not on disk yet, and nothing is marked verified.
         #expect(o.cachedBytes(from: 65_536, upTo: 100_000) == 0)
         #expect(!o.isVerified)
-        afterReply.run()
+        held.finish()
         #expect(o.cachedBytes(from: 0, upTo: 100_000) == 100_000)
         #expect(o.isVerified)
         #expect(store.requests.read == 2)
@@ -121,13 +125,13 @@ import StorageClient
     /// check stores it, finds the mismatch and fetches the object again before replying.
     @Test func aCompletingDownloadThatDoesNotMatchIsStoredCheckedAndFetchedAgainBeforeItsReply() throws {
         let (store, bytes, cache, reader, meta) = try setUp(size: 100_000)
-        let afterReply = AfterReply()
-        #expect(try readInTwo(reader, store, meta, corruptingTail: true, afterReply: afterReply) == bytes)
+        let held = HeldReply()
+        #expect(try readInTwo(reader, store, meta, corruptingTail: true, held: held) == bytes)
         let o = try #require(cache.acquire(endpoint: "e", meta: meta))
         defer { cache.release(o) }
         #expect(o.isVerified)  // before the reply: fetched again and checked
         #expect(store.requests.read == 3)  // the head, the corrupt tail, the whole object again
-        afterReply.run()
+        held.finish()
     }
 
     /// Bytes handed to a reader before the object was complete cannot be taken back: when the
@@ -139,12 +143,12 @@ import StorageClient
         defer { reader.closeStream(stream) }
         var head = [UInt8](repeating: 0, count: 16_384)
         store.corruptNextReads(1)
-        try head.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: false, isCancelled: nil) }
+        try head.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: nil) }
         #expect(head != Array(bytes[0..<16_384]))  // served as it came: nothing could tell yet
         reader.finishPendingWork(timeout: 10)  // its cache copy lands (the daemon writes it after the reply)
         var tail = [UInt8](repeating: 0, count: 100_000 - 16_384)
         #expect(throws: StorageError.self) {
-            try tail.withUnsafeMutableBytes { try reader.read(stream, at: 16_384, into: $0, observed: false, isCancelled: nil) }
+            try tail.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 16_384, into: $0, isCancelled: nil) }
         }
         #expect(try readAll(reader, meta) == bytes)
     }

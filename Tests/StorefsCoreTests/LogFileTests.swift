@@ -2,6 +2,7 @@ import Foundation
 import Glibc
 import Testing
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// `log_file=` as another local user would attack it (docs/security.md, "The log file"). These
 /// run as root (as CI does): "another user" is uid 65534, made the owner with chown.

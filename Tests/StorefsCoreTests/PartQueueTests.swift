@@ -100,12 +100,12 @@ import Testing
     @Test func theGateRunsAtMostItsPartsAtOnceAndAlternatesBetweenReaders() throws {
         let controller = TransferController(limits: .init(startParts: 2, minParts: 2, maxParts: 2, fixedParts: 2))
         let pool = WorkerPool(threads: 8, name: "test-gate")
-        let a = ObjectIdentifier(Int.self), b = ObjectIdentifier(String.self)
+        let a = ReaderID(file: ObjectIdentifier(Int.self), stream: 0), b = ReaderID(file: ObjectIdentifier(String.self), stream: 0)
         let log = Mutex<(running: Int, most: Int, order: [String])>((0, 0, []))
         let done = DispatchSemaphore(value: 0)
         let go = DispatchSemaphore(value: 0)
         // Each part holds its slot until the test lets it go, one at a time.
-        func part(_ name: String, _ reader: ObjectIdentifier) -> @Sendable () -> Void {
+        func part(_ name: String, _ reader: ReaderID) -> @Sendable () -> Void {
             return {
                 log.withLock { l in
                     l.running += 1

@@ -2,6 +2,7 @@ import Foundation
 import Testing
 import StorageClient
 @testable import StorefsCore
+import StorefsTestSupport
 
 /// True once no download holds memory (within 2 s). `finishPendingWork` returns when the
 /// workers' jobs have run; a worker lets go of its job, and so of the flight it captured and
@@ -42,8 +43,8 @@ func budgetSettles(_ reader: BlockReader) -> Bool {
         }
         var out = [UInt8](repeating: 0, count: 1 << 20)
         // 0..1 MiB downloaded by the reader; its first window (1..3 MiB) by a prefetch thread.
-        if !out.withUnsafeMutableBytes({ reader.readCached(stream, at: 0, into: $0) }) {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: 0, into: $0, observed: true, isCancelled: nil) }
+        if !out.withUnsafeMutableBytes({ reader.readHere(stream, at: 0, into: $0) }) {
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 0, into: $0, isCancelled: nil) }
         }
         #expect(out == Array(bytes[0..<(1 << 20)]))
         let deadline = Date().addingTimeInterval(10)
@@ -56,14 +57,14 @@ func budgetSettles(_ reader: BlockReader) -> Bool {
             defer { cache.release(c) }
             return c.isCached((2 << 20) / (16 << 10))
         } == false, "the part's cache write is held back")
-        #expect(out.withUnsafeMutableBytes { reader.readCached(stream, at: 1 << 20, into: $0) })
+        #expect(out.withUnsafeMutableBytes { reader.readHere(stream, at: 1 << 20, into: $0) })
         #expect(out == Array(bytes[(1 << 20)..<(2 << 20)]))
         // The third read widens the window to 3..11 MiB: 3..7 fits in the budget, 7..11 does not,
         // and the reader is short of memory while 1..3 MiB waits for its cache write.
-        let served = out.withUnsafeMutableBytes { reader.readCached(stream, at: 2 << 20, into: $0) }
+        let served = out.withUnsafeMutableBytes { reader.readHere(stream, at: 2 << 20, into: $0) }
         #expect(served, "the landed part was let go before its cache copy was made")
         if !served {
-            try out.withUnsafeMutableBytes { try reader.read(stream, at: 2 << 20, into: $0, observed: true, isCancelled: nil) }
+            try out.withUnsafeMutableBytes { try reader.readWaiting(stream, at: 2 << 20, into: $0, isCancelled: nil) }
         }
         #expect(out == Array(bytes[(2 << 20)..<(3 << 20)]))
         release.signal()

@@ -34,9 +34,10 @@ import StorageClient
         var m = Metrics.Snapshot()
         m.readLatency = h
         m.requests = [.media: [206: 3, 0: 1]]
-        m.ops[FuseOp.read.rawValue] = 5
+        m.opNames = ["lookup", "read"]
+        m.ops = [0, 5]
         m.errors = [5: 2]
-        let text = PrometheusText.render(m, Filesystem.Gauges())
+        let text = PrometheusText.render(m, Gauges())
         #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"0.0001\"} 1\n"))
         #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"0.005\"} 3\n"))
         #expect(text.contains("storefs_fuse_read_duration_seconds_bucket{le=\"10\"} 4\n"))
@@ -98,35 +99,6 @@ import StorageClient
         #expect(FileManager.default.createFile(atPath: file, contents: Data("x".utf8)))
         #expect(throws: MetricsServer.Refused.self) { try MetricsServer(.unix(path: file)) }
         #expect(FileManager.default.fileExists(atPath: file))
-    }
-
-    @Test func metricsOptionIsLoopbackUnlessBindAnyIsGiven() throws {
-        guard case .mount(let o) = try MountOptions.parse(arguments: ["-o", "metrics=9464,log_format=json,log_file=/l", "b", "/m"], environment: [:]) else {
-            Issue.record("not a mount")
-            return
-        }
-        #expect(o.metrics == .tcp(host: "127.0.0.1", port: 9464) && o.logFormat == .json && o.logFile == "/l")
-        #expect(throws: MountOptions.ParseError.self) {
-            try MountOptions.parse(arguments: ["-o", "metrics=0.0.0.0:9464", "b", "/m"], environment: [:])
-        }
-        guard case .mount(let any) = try MountOptions.parse(arguments: ["-o", "metrics=0.0.0.0:9464,metrics_bind_any", "b", "/m"], environment: [:]) else {
-            Issue.record("not a mount")
-            return
-        }
-        #expect(any.metrics == .tcp(host: "0.0.0.0", port: 9464) && any.metricsBindAny)
-        guard case .mount(let unix) = try MountOptions.parse(arguments: ["-o", "metrics=unix:/run/s.sock", "b", "/m"], environment: [:]) else {
-            Issue.record("not a mount")
-            return
-        }
-        #expect(unix.metrics == .unix(path: "/run/s.sock"))
-        #expect(throws: MountOptions.ParseError.self) {
-            try MountOptions.parse(arguments: ["-o", "metrics=unix:relative.sock", "b", "/m"], environment: [:])
-        }
-        #expect(throws: MountOptions.ParseError.self) {
-            try MountOptions.parse(arguments: ["-o", "metrics=127.0.0.1:70000", "b", "/m"], environment: [:])
-        }
-        #expect(try MountOptions.parse(arguments: ["prefetch", "-j", "2", "/m"], environment: [:]) == .prefetch(["-j", "2", "/m"]))
-        #expect(try MountOptions.parse(arguments: ["cache", "status"], environment: [:]) == .cache(["status"]))
     }
 
     @Test func errnoNamesAreSymbolic() {

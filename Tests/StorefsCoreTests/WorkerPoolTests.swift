@@ -33,4 +33,20 @@ import Testing
         pool.grow(to: 4)
         #expect(Self.runAtOnce(6, on: pool, patience: 10), "6 jobs did not run at once on a pool grown to 6")
     }
+
+    /// Threads start only when jobs come; above the floor they end after `idleSeconds`
+    /// without work, and come back for the next burst (issue 49, item 4: pools sized for the
+    /// worst burst held all their threads from first use on).
+    @Test func threadsStartWithWorkAndTheBurstsEndOnceIdle() {
+        let pool = WorkerPool(threads: 2, name: "test-idle", maxThreads: 8, idleSeconds: 0.2)
+        defer { pool.shutdown() }
+        #expect(pool.threadCount == 0, "a pool with no work yet holds threads")
+        #expect(Self.runAtOnce(8, on: pool, patience: 10), "8 jobs did not run at once on a pool of up to 8")
+        #expect(pool.threadCount <= 8, "more threads than the pool allows")
+        let deadline = Date().addingTimeInterval(10)
+        while pool.threadCount > 2, Date() < deadline { usleep(10_000) }
+        #expect(pool.threadCount == 2, "idle threads above the floor did not end")
+        #expect(Self.runAtOnce(8, on: pool, patience: 10), "the pool did not start threads again")
+        #expect(!Self.runAtOnce(9, on: pool, patience: 0.5), "9 jobs ran at once on a pool of up to 8")
+    }
 }

@@ -31,6 +31,9 @@ objects in the session's fake-gcs-server (`GCSEmulator`), through its JSON API:
 - Rules: `rules` is a list of (prefix, rule), first prefix match wins, default deny; rule is
   "public", "auth" (any signed-in user), "deny", a collection of uids, or a callable
   (path, Principal|None) -> bool. Checked before existence (§7.1): 403 JSON, then 404 `Not Found`.
+- Speed: resources read from fake-gcs-server (by a GET, or in a listing's pages) are kept
+  while `GCSEmulator.changes` stays, so a v0 request costs the emulator nothing more once
+  its object was listed or read (`upstream_counts`: requests made to it, by method).
 - Test hooks: `fail_next(n, status, kinds)`, `fail_always(status)`, `clear_faults()`,
   `metadata_delay`/`media_delay`, `empty_first_page`, `create_tokens`, `counts` by kind
   (list/metadata/media/other + `status:NNN`), `max_inflight` by kind, `log` of V0Request
@@ -159,6 +162,11 @@ class FirebaseStorageServer(LoopbackServer):
         self._bumps: dict[tuple[str, str, str], tuple[int, str]] = {}
         self._created: dict[tuple[str, str, str], str] = {}   # token made here, per generation
         self._object_locks: dict[tuple[str, str], threading.Lock] = {}
+        # GCS resources read from fake-gcs-server (None: no such object), good while the
+        # emulator's change count is `_resources_seen` (see `_known`).
+        self._resources: dict[tuple[str, str], dict | None] = {}
+        self._resources_seen = -1
+        self.upstream_counts: Counter[str] = Counter()   # requests to fake-gcs-server, by method
         self._lock = threading.Lock()
         self._local = threading.local()
         up = urllib.parse.urlsplit(emulator.http_endpoint or emulator.endpoint)
@@ -201,6 +209,7 @@ class FirebaseStorageServer(LoopbackServer):
             self.max_inflight.clear()
             self.log.clear()
             self.media_bytes = 0
+            self.upstream_counts.clear()
 
     def requests(self, kind: str | None = None) -> list[V0Request]:
         with self._lock:
@@ -312,6 +321,8 @@ class FirebaseStorageServer(LoopbackServer):
     def _upstream(self, method: str, path: str, body: bytes | None = None,
                   headers: dict[str, str] | None = None, stream: bool = False):
         """(status, headers, body or the open response when stream)."""
+        with self._lock:
+            self.upstream_counts[method] += 1
         for attempt in (0, 1):
             conn = self._conn()
             try:
@@ -330,19 +341,60 @@ class FirebaseStorageServer(LoopbackServer):
             self._drop_conn()
         return resp.status, resp, data
 
+    # What fake-gcs-server said about objects is kept until the bucket changes: it spends
+    # 2.5 ms of CPU on a metadata GET here (6 on a PATCH), and asked once per v0 request it set
+    # the pace of `ls -l` over v0 (issue 49, item 6: 2,500 names took 17.6 s, as long with the
+    # storefs of late November as with today's). A listing's pages hold the same resources a
+    # GET gives, so the metadata GETs that follow a listing are answered from them. Valid while
+    # `emulator.changes` has not moved since they were asked for (every upload and delete
+    # through GCSEmulator moves it once done; a test writing by other means calls
+    # `emulator.note_change()`); this server's own token PATCH updates its entry.
+    _MAX_RESOURCES = 100_000
+
+    def _known(self, key: tuple[str, str]) -> tuple[int, bool, dict | None]:
+        """(the emulator's change count now, whether `key` is known at that count, its resource)."""
+        with self._lock:
+            seen = self.emulator.changes
+            if seen != self._resources_seen:
+                self._resources.clear()
+                self._resources_seen = seen
+            return seen, key in self._resources, self._resources.get(key)
+
+    def _remember(self, seen: int, resources, replace: bool = True) -> None:
+        """Keeps (key, resource) pairs read since change count `seen`, unless it has moved.
+        A listing's (`replace=False`) adds only what is not known: its page may have been read
+        before this server's own token PATCH of an object, whose answer is newer."""
+        with self._lock:
+            if seen != self.emulator.changes or seen != self._resources_seen:
+                return
+            if len(self._resources) > self._MAX_RESOURCES:
+                self._resources.clear()
+            for key, res in resources:
+                if replace or key not in self._resources:
+                    self._resources[key] = res
+
     def _gcs_object(self, bucket: str, name: str) -> dict | None:
-        status, _, data = self._upstream(
-            "GET", f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}")
-        if status == 404:
-            return None
-        if status != 200:
-            raise RuntimeError(f"fake-gcs metadata {bucket}/{name}: HTTP {status} {data[:200]!r}")
-        return json.loads(data)
+        seen, known, res = self._known((bucket, name))
+        if known:
+            return res
+        # Under the object's lock, as its token PATCH: the one that lands last is the newer.
+        with self._object_lock(bucket, name):
+            status, _, data = self._upstream(
+                "GET", f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}")
+            if status == 404:
+                self._remember(seen, [((bucket, name), None)])
+                return None
+            if status != 200:
+                raise RuntimeError(f"fake-gcs metadata {bucket}/{name}: HTTP {status} {data[:200]!r}")
+            res = json.loads(data)
+            self._remember(seen, [((bucket, name), res)])
+            return res
 
     def _gcs_list(self, bucket: str, prefix: str, delimiter: str) -> tuple[list[str], list[str]]:
         items: list[str] = []
         prefixes: list[str] = []
         token = None
+        seen = self._known((bucket, ""))[0]
         while True:
             q = {"prefix": prefix, "delimiter": delimiter}
             if token:
@@ -354,6 +406,7 @@ class FirebaseStorageServer(LoopbackServer):
             if status != 200:
                 raise RuntimeError(f"fake-gcs list {bucket}: HTTP {status} {data[:200]!r}")
             page = json.loads(data)
+            self._remember(seen, [((bucket, i["name"]), i) for i in page.get("items", [])], replace=False)
             items += [i["name"] for i in page.get("items", [])]
             prefixes += [p for p in page.get("prefixes", []) if p not in prefixes]
             token = page.get("nextPageToken")
@@ -379,12 +432,16 @@ class FirebaseStorageServer(LoopbackServer):
                 token = self._created.get(key)
             if token is None:
                 token = str(uuid.uuid4())
+                seen = self._known((bucket, name))[0]
                 status, _, data = self._upstream(
                     "PATCH", f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}",
                     json.dumps({"metadata": {TOKENS_KEY: token}}).encode(),
                     {"Content-Type": "application/json"})
                 if status != 200:
                     raise RuntimeError(f"fake-gcs PATCH {bucket}/{name}: HTTP {status} {data[:200]!r}")
+                # fake-gcs-server answers a PATCH with a partial resource: the one read, with the token
+                patched = dict(res, metadata={**(res.get("metadata") or {}), TOKENS_KEY: token})
+                self._remember(seen, [((bucket, name), patched)])
                 with self._lock:
                     self._created[key] = token
                     n, _ = self._bumps.get(key, (0, ""))

@@ -106,6 +106,10 @@ class GCSEmulator:
         self._proc: subprocess.Popen | None = None
         self._log = None  # temp file holding the server's output
         self._local = threading.local()  # one keep-alive connection per thread
+        # Changes made to the stored objects through this object (upload, delete, or a caller's
+        # own `note_change()`), counted once each is done: what was read before the count
+        # moved may be stale (firebase_fixture keeps object resources while it stays).
+        self.changes = 0
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -256,6 +260,10 @@ class GCSEmulator:
         return json.loads(data) if data else {}
 
     # ---------------------------------------------------------------- JSON API
+    def note_change(self) -> None:
+        """An object was written or deleted by other means than this object's methods."""
+        self.changes += 1
+
     def create_bucket(self, name: str, exist_ok: bool = False) -> None:
         """Creates a bucket; with exist_ok, one that exists already (409) is fine too."""
         self._json("POST", "/storage/v1/b?project=test-project", {"name": name},
@@ -287,8 +295,11 @@ class GCSEmulator:
         ])
         path = (f"/upload/storage/v1/b/{quote_name(bucket)}/o"
                 f"?uploadType=multipart&name={quote_name(name)}")
-        status, _, out = self._request(
-            "POST", path, body, {"Content-Type": f"multipart/related; boundary={boundary}"})
+        try:
+            status, _, out = self._request(
+                "POST", path, body, {"Content-Type": f"multipart/related; boundary={boundary}"})
+        finally:
+            self.note_change()
         if status != 200:
             raise GCSError("POST", path, status, out)
         res = json.loads(out)
@@ -302,7 +313,10 @@ class GCSEmulator:
 
     def delete(self, bucket: str, name: str) -> None:
         path = f"/storage/v1/b/{quote_name(bucket)}/o/{quote_name(name)}"
-        status, _, data = self._request("DELETE", path)
+        try:
+            status, _, data = self._request("DELETE", path)
+        finally:
+            self.note_change()
         if status not in (200, 204):
             raise GCSError("DELETE", path, status, data)
 

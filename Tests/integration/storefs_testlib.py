@@ -25,6 +25,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -38,6 +39,7 @@ import pytest
 import tls_fixture
 from gcs_emulator import GCSEmulator
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKET = "test-bucket"
 MOUNT_TIMEOUT_S = 30.0       # from spawn to the mount showing in /proc/self/mountinfo
 EXIT_TIMEOUT_S = 10.0        # from unmount/signal to the storefs process being gone
@@ -176,7 +178,16 @@ _OBJECT_RE = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
 _LIST_RE = re.compile(r"^/storage/v1/b/([^/]+)/o/?$")
 
 
-class _TLSHTTPServer(http.server.ThreadingHTTPServer):
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    """socketserver's listen backlog is 5: a client that opens many connections at once (a
+    burst of lookups, each with its requests on a connection of its own) had its SYNs past the
+    fifth dropped and retried by the kernel after a second, and the fixture, not the client,
+    set the pace (measured: 16 stalled lookups, half of them a second late)."""
+
+    request_queue_size = 128
+
+
+class _TLSHTTPServer(_HTTPServer):
     """A ThreadingHTTPServer whose connections are TLS: the handshake runs in the connection's
     own thread (a slow or failing client never holds up accept), with the context the owner
     has at that moment (`LoopbackServer.tls_context`, so a test can swap it)."""
@@ -256,7 +267,7 @@ class LoopbackServer:
             self.tls_context = tls_fixture.session().server_context("server", tls_fixture.HTTP11)
         else:
             self.tls_context = None
-        cls = _TLSHTTPServer if self.tls_context is not None else http.server.ThreadingHTTPServer
+        cls = _TLSHTTPServer if self.tls_context is not None else _HTTPServer
         self._server = cls(("127.0.0.1", 0), handler)
         self._server.owner = self
         self._server.daemon_threads = True
@@ -265,7 +276,7 @@ class LoopbackServer:
         scheme = "https" if self.tls_context is not None else "http"
         self.endpoint = f"{scheme}://127.0.0.1:{self.port}"
         if self.also_plain:
-            self._plain_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            self._plain_server = _HTTPServer(("127.0.0.1", 0), handler)
             self._plain_server.daemon_threads = True
             threading.Thread(target=self._plain_server.serve_forever, name=self.thread_name + "-plain",
                              daemon=True).start()
@@ -644,14 +655,17 @@ class MountManager:
     """The `mount` fixture: starts storefs instances and always cleans them up.
 
     Call it: `m = mount(source="test-bucket", options=["stat_ttl=5"], endpoint=None,
-    foreground=True, mountpoint=None, cwd=None, cache_dir=None, ca_file=AUTO)` (cache_dir:
-    reuse an earlier mount's `m.cache_dir`; default a fresh empty one). ca_file: AUTO adds
+    foreground=True, mountpoint=None, cwd=None, cache_dir=None, ca_file=AUTO,
+    mount_timeout=MOUNT_TIMEOUT_S)` (cache_dir: reuse an earlier mount's `m.cache_dir`;
+    default a fresh empty one; mount_timeout: for mounts that do work of their own first, such
+    as indexing a manifest). ca_file: AUTO adds
     `ca_file=<the session CA>` when the endpoint (or an `auth_endpoint=`) is https and the
     options name no `ca_file=` themselves; None adds nothing (a test of what storefs trusts
     without it); a path adds `ca_file=PATH`. `argv(...)` applies the same rule. Teardown unmounts every instance
     (fusermount3 -u, wait by pid up to 10 s, SIGKILL by pid, umount -l if still listed).
     A watchdog kills this test's storefs processes after WATCHDOG_S so a hung FUSE call
-    fails the test instead of hanging the suite.
+    fails the test instead of hanging the suite (`extend_watchdog(seconds)` for a test that
+    is long on purpose).
     """
 
     def __init__(self, emulator_endpoint: str, bin_path: str, ca_file: str | None = None) -> None:
@@ -666,6 +680,13 @@ class MountManager:
         self._watchdog.start()
         self._lock = threading.Lock()
         self._n = 0
+
+    def extend_watchdog(self, seconds: float) -> None:
+        """The watchdog fires `seconds` from now instead."""
+        self._watchdog.cancel()
+        self._watchdog = threading.Timer(seconds, self._fire_watchdog)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     def new_dir(self, name: str) -> str:
         with self._lock:
@@ -698,7 +719,7 @@ class MountManager:
     def __call__(self, source: str = BUCKET, *, options=(), endpoint: str | None = None,
                  foreground: bool = True, mountpoint: str | None = None,
                  cwd: str | None = None, preexec_fn=None, cache_dir: str | None = None,
-                 ca_file=AUTO) -> Mount:
+                 ca_file=AUTO, mount_timeout: float = MOUNT_TIMEOUT_S) -> Mount:
         mnt = mountpoint or self.new_dir("mnt")
         abs_mnt = os.path.normpath(os.path.join(cwd or os.getcwd(), mnt))
         argv, cache_dir = self.argv(source, mnt, endpoint=endpoint, options=options,
@@ -710,21 +731,21 @@ class MountManager:
         m = Mount(abs_mnt, cache_dir, argv, proc, err_path,
                   pid=proc.pid if foreground else None, foreground=foreground)
         self.mounts.append(m)
-        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        deadline = time.monotonic() + mount_timeout
         if foreground:
             while not is_mounted(abs_mnt):
                 if proc.poll() is not None:
                     pytest.fail(f"storefs exited with {proc.returncode} before mounting "
                                 f"{abs_mnt}\nargv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{abs_mnt} not mounted after {MOUNT_TIMEOUT_S:.0f} s\n"
+                    pytest.fail(f"{abs_mnt} not mounted after {mount_timeout:.0f} s\n"
                                 f"argv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
                 time.sleep(0.02)
         else:
             try:
-                rc = proc.wait(timeout=MOUNT_TIMEOUT_S)
+                rc = proc.wait(timeout=mount_timeout)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"storefs (no -f) did not return within {MOUNT_TIMEOUT_S:.0f} s\n"
+                pytest.fail(f"storefs (no -f) did not return within {mount_timeout:.0f} s\n"
                             f"argv: {argv}\nstderr:\n{m.stderr()}", pytrace=False)
             if rc != 0:
                 pytest.fail(f"storefs (no -f) exited {rc}\nargv: {argv}\nstderr:\n{m.stderr()}",
@@ -805,7 +826,7 @@ class MountManager:
         if not any(is_mounted(m.path) for m in self.mounts):
             shutil.rmtree(self.tmp, ignore_errors=True)
         if self.watchdog_fired:
-            problems.insert(0, f"watchdog: the test held its mounts over {WATCHDOG_S:.0f} s; "
+            problems.insert(0, "watchdog: the test held its mounts too long; "
                                "storefs was killed")
         return problems
 
@@ -952,6 +973,53 @@ def vm_kib(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+# ====================================================================== bench/link's modelled link
+def link_module():
+    """bench/link/link.py (LinkProxy, PROFILES), the benchmark's modelled link."""
+    d = os.path.join(REPO, "bench", "link")
+    if d not in sys.path:
+        sys.path.insert(0, d)
+    import link
+    return link
+
+
+@contextlib.contextmanager
+def link_in_front_of(port: int, tmp_path, profile: str | None = None, **settings):
+    """A link proxy (a profile, or these settings) in front of the server on `port`; stopped
+    (by pid) when the block ends, however it ends. Plain http: it models the link at the HTTP
+    level (it reads each request to log it)."""
+    link = link_module()
+    kw = dict(workdir=str(tmp_path), log_path=str(tmp_path / "link.log"))
+    proxy = link.LinkProxy.profile(profile, port, **kw) if profile else link.LinkProxy(port, **settings, **kw)
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        pytest.fail(f"the link proxy did not start: {exc}", pytrace=False)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def link_media_requests(proxy) -> list[dict]:
+    """Media GETs the link proxy logged since its last reset_stats(), other than the one-byte
+    requests that open connections ahead of need."""
+    return [r for r in proxy.stats()["per_request"] if "alt=media" in r["path"] and r["range"] != "bytes=0-0"]
+
+
+def most_at_once(requests: list[dict]) -> int:
+    """The most requests (the link proxy's log entries) whose [request, last byte] intervals overlap."""
+    events = []
+    for r in requests:
+        end = r["t_last"] if r["t_last"] is not None else r["t_req"]
+        events += [(r["t_req"], 1), (end, -1)]
+    most = now = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        now += step
+        most = max(most, now)
+    return most
 
 
 # ====================================================================== mounts by descriptor

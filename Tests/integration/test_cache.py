@@ -642,7 +642,8 @@ def test_cache_layout_modes_and_no_names(mount, cdata):
     assert pread_ranges(m.p(SEQ), [(7 * MiB, 100 * KiB)]) == [cdata[SEQ][7 * MiB:7 * MiB + 100 * KiB]]
     assert mount.unmount(m) == []      # nothing half-written while we look
 
-    layout = re.compile(r"v1(/[0-9a-f]{2}(/[0-9a-f]{64}\.blk)?)?|ns-v1(/[0-9a-f]{16}\.log)?")
+    layout = re.compile(r"v1(/[0-9a-f]{2}(/[0-9a-f]{64}\.blk)?)?|ns-v1(/[0-9a-f]{16}\.log)?|mounts-v1")
+    mounts = re.compile(r"mounts-v1/([0-9]{3}|shared)")
     fragments = set()
     for name in SECRET_NAMES + [SMALL, SEQ]:
         for part in re.split(r"[/. ]", name):
@@ -666,15 +667,17 @@ def test_cache_layout_modes_and_no_names(mount, cdata):
             if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) != 0o600:
                 bad_modes.append(f"{rel}: {oct(st.st_mode)}")
             if rel == os.path.join("v1", ".lock"):
-                files -= 1  # the one-process-per-cache lock file, named by design
+                files -= 1  # the lock file older versions take alone, named by design
                 continue
-            if rel.startswith("ns-v1" + os.sep):
+            if mounts.fullmatch(rel):
+                files -= 1  # the mounts sharing the cache: their slots and shared counters
+            elif rel.startswith("ns-v1" + os.sep):
                 # The stored namespace holds names by design (README, "Offline use"): private
                 # (0600, checked above) under private directories, like the blocks.
                 if not layout.fullmatch(rel):
                     bad_names.append(rel)
                 continue
-            if not layout.fullmatch(rel) or n[:2] != os.path.basename(root):
+            elif not layout.fullmatch(rel) or n[:2] != os.path.basename(root):
                 bad_names.append(rel)
             with open(p, "rb") as f:
                 body = f.read()

@@ -91,7 +91,7 @@ def take_down_dead_mount(path: str) -> None:
     assert not is_mounted(path), f"{path} still mounted after fusermount3 -u and umount -l"
 
 
-def audit_cache(cache_dir: str, corpus: Corpus, endpoint: str
+def audit_cache(cache_dir: str, corpus: Corpus, endpoint: str, bucket: str = BUCKET, objects=OBJECTS
                 ) -> tuple[list[tuple[str, int, int, int]], int, list[str], int]:
     """Checks every cache file on disk against the corpus.
 
@@ -99,8 +99,8 @@ def audit_cache(cache_dir: str, corpus: Corpus, endpoint: str
     the cache holds as storefs counts them: header pages plus present blocks rounded to 4 KiB).
     A block is servable when its index entry is present and its bytes pass the CRC; such a
     block holding anything but the object's bytes is a problem (storefs would serve it)."""
-    by_key = {key_hash(endpoint, BUCKET, n, int(corpus.resources[n]["generation"])): n
-              for n in OBJECTS}
+    by_key = {key_hash(endpoint, bucket, n, int(corpus.resources[n]["generation"])): n
+              for n in objects}
     servable, torn, problems, used = [], 0, [], 0
     for root, _dirs, files in os.walk(os.path.join(cache_dir, "v1")):
         for fname in files:

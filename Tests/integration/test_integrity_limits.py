@@ -58,7 +58,7 @@ def test_a_corrupt_ranged_answer_of_an_object_never_read_whole_is_served_until_t
         mount, fault_proxy, ibucket, fault, params):
     name = ("flip" if fault == "bitflip" else "shift") + "/never-whole.bin"
     data = ibucket[name]
-    m = mount(IB, endpoint=fault_proxy.endpoint, options=["read_ahead=0", "log_level=debug"])
+    m = mount(IB, endpoint=fault_proxy.endpoint, options=["read_ahead=0", "whole_file=0", "log_level=debug"])
     assert os.stat(m.p(name)).st_size == len(data)
     fault_proxy.add_rule(kind="media", name_prefix=name, fault=fault, count=1, **params)
     got = direct_pread(m.p(name), COUNT, OFFSET)

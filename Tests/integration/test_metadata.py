@@ -99,7 +99,7 @@ def test_reopen_after_overwrite_reads_the_new_object(mount, mbucket):
     new = os.urandom(3 << 20)
     mbucket.upload(MB, name, old)
     # Default stat_ttl (60 s): only storefs noticing the overwrite can make the reopen work.
-    m = mount(MB, options=["read_ahead=0"])
+    m = mount(MB, options=["read_ahead=0", "whole_file=0"])
     assert _read_at(m.p(name), 0, 4096) == old[:4096]
     mbucket.upload(MB, name, new)
     # An uncached range of the old generation: the bucket no longer has it.
@@ -115,7 +115,7 @@ def test_reopen_after_delete_is_enoent(mount, mbucket):
     name = _fresh_name("delete")
     data = os.urandom(2 << 20)
     mbucket.upload(MB, name, data)
-    m = mount(MB, options=["read_ahead=0"])
+    m = mount(MB, options=["read_ahead=0", "whole_file=0"])
     assert _read_at(m.p(name), 0, 4096) == data[:4096]
     mbucket.delete(MB, name)
     with pytest.raises(OSError) as e:
@@ -131,7 +131,7 @@ def test_an_open_handle_never_reads_the_new_object(mount, mbucket):
     name = _fresh_name("handle")
     old, new = os.urandom(2 << 20), os.urandom(2 << 20)
     mbucket.upload(MB, name, old)
-    m = mount(MB, options=["read_ahead=0"])
+    m = mount(MB, options=["read_ahead=0", "whole_file=0"])
     fd = os.open(m.p(name), os.O_RDONLY)
     try:
         assert os.pread(fd, 4096, 0) == old[:4096]

@@ -2,9 +2,12 @@
  * floorfs: the least a FUSE filesystem can do to serve one object over HTTP. A benchmark
  * baseline, not part of storefs.
  *
- *     floorfs URL SIZE NAME MOUNTPOINT
+ *     floorfs URL SIZE NAME MOUNTPOINT [MANIFEST]
  *
- * Shows one read-only file NAME of SIZE bytes. Every FUSE read becomes exactly one ranged GET
+ * Shows one read-only file NAME of SIZE bytes. MANIFEST (bench/run's workload rows) adds more
+ * files, one a line `SIZE URL PATH`: PATH is a name in the root, or DIR/NAME in one directory
+ * DIR (the same on every line that has one); their sizes come from the manifest, so a listing
+ * or lookup costs no request (the floor of what knowing the sizes ahead can save). Every FUSE read becomes exactly one ranged GET
  * of the requested bytes on the calling FUSE thread (one keep-alive libcurl handle per thread),
  * answered with fuse_reply_buf. No cache, no read-ahead of its own, no checks beyond the length.
  * Mount settings match storefs (1 MiB requests: max_readahead and the bdi read_ahead_kb,
@@ -32,12 +35,77 @@
 #include <sys/stat.h>
 
 #define MAX_REQUEST (1 << 20)
+#define BIG_INO 2          /* NAME */
+#define DIR_INO 3          /* the manifest's directory, if it has one */
+#define FIRST_ENTRY_INO 4  /* the manifest's files, in its order */
 
 static const char *object_url;
 static const char *file_name;
 static off_t file_size;
 static const char *ca_file;   /* FLOORFS_CA_FILE, or NULL */
 static long http_version = CURL_HTTP_VERSION_NONE; /* FLOORFS_HTTP_VERSION */
+
+/* The manifest's files (read once before mounting, never changed after). */
+struct entry {
+    char *name;   /* the last component */
+    char *url;
+    off_t size;
+    fuse_ino_t parent;  /* FUSE_ROOT_ID or DIR_INO */
+};
+static struct entry *entries;
+static size_t n_entries;
+static char *dir_name;  /* NULL when no line names a directory */
+
+static int load_manifest(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        perror(path);
+        return -1;
+    }
+    char line[8192];
+    size_t cap = 0;
+    while (fgets(line, sizeof line, f)) {
+        long long size;
+        char url[4096], rel[2048];
+        if (sscanf(line, "%lld %4095s %2047s", &size, url, rel) != 3 || size < 0) {
+            fprintf(stderr, "floorfs: %s: a line is not `SIZE URL PATH`: %s", path, line);
+            fclose(f);
+            return -1;
+        }
+        if (n_entries == cap) {
+            cap = cap ? 2 * cap : 1024;
+            entries = realloc(entries, cap * sizeof *entries);
+        }
+        struct entry *e = &entries[n_entries++];
+        e->url = strdup(url);
+        e->size = size;
+        e->parent = FUSE_ROOT_ID;
+        char *slash = strchr(rel, '/');
+        if (slash) {
+            *slash = 0;
+            if (strchr(slash + 1, '/') || (dir_name && strcmp(dir_name, rel) != 0)) {
+                fprintf(stderr, "floorfs: %s: one directory level, one directory: %s/%s\n", path, rel, slash + 1);
+                fclose(f);
+                return -1;
+            }
+            if (!dir_name) dir_name = strdup(rel);
+            e->parent = DIR_INO;
+            e->name = strdup(slash + 1);
+        } else {
+            e->name = strdup(rel);
+        }
+    }
+    fclose(f);
+    return 0;
+}
+
+static struct entry *entry_of(fuse_ino_t ino) {
+    return ino >= FIRST_ENTRY_INO && ino - FIRST_ENTRY_INO < n_entries ? &entries[ino - FIRST_ENTRY_INO] : NULL;
+}
+
+static int is_dir(fuse_ino_t ino) {
+    return ino == FUSE_ROOT_ID || (ino == DIR_INO && dir_name);
+}
 
 struct sink {
     char *buf;
@@ -88,13 +156,14 @@ static void give_slot(struct slot *t) {
 static void fill_attr(fuse_ino_t ino, struct stat *st) {
     memset(st, 0, sizeof *st);
     st->st_ino = ino;
-    if (ino == FUSE_ROOT_ID) {
+    if (is_dir(ino)) {
         st->st_mode = S_IFDIR | 0555;
         st->st_nlink = 2;
     } else {
+        struct entry *e = entry_of(ino);
         st->st_mode = S_IFREG | 0444;
         st->st_nlink = 1;
-        st->st_size = file_size;
+        st->st_size = e ? e->size : file_size;
     }
 }
 
@@ -104,16 +173,25 @@ static void op_init(void *userdata, struct fuse_conn_info *conn) {
     conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
 }
 
+static fuse_ino_t find(fuse_ino_t parent, const char *name) {
+    if (parent == FUSE_ROOT_ID && strcmp(name, file_name) == 0) return BIG_INO;
+    if (parent == FUSE_ROOT_ID && dir_name && strcmp(name, dir_name) == 0) return DIR_INO;
+    for (size_t i = 0; i < n_entries; i++)
+        if (entries[i].parent == parent && strcmp(entries[i].name, name) == 0) return FIRST_ENTRY_INO + i;
+    return 0;
+}
+
 static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
-    if (parent != FUSE_ROOT_ID || strcmp(name, file_name) != 0) {
+    fuse_ino_t ino = find(parent, name);
+    if (!ino) {
         fuse_reply_err(req, ENOENT);
         return;
     }
     struct fuse_entry_param e;
     memset(&e, 0, sizeof e);
-    e.ino = 2;
+    e.ino = ino;
     e.attr_timeout = e.entry_timeout = 3600;
-    fill_attr(2, &e.attr);
+    fill_attr(ino, &e.attr);
     fuse_reply_entry(req, &e);
 }
 
@@ -125,7 +203,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
-    if (ino == FUSE_ROOT_ID) {
+    if (is_dir(ino)) {
         fuse_reply_err(req, EISDIR);
         return;
     }
@@ -138,19 +216,20 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
 }
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
-    (void)ino;
     (void)fi;
-    if (off >= file_size) {
+    struct entry *e = entry_of(ino);
+    off_t fsize = e ? e->size : file_size;
+    if (off >= fsize) {
         fuse_reply_buf(req, NULL, 0);
         return;
     }
     if (size > MAX_REQUEST) size = MAX_REQUEST;
-    if ((off_t)size > file_size - off) size = (size_t)(file_size - off);
+    if ((off_t)size > fsize - off) size = (size_t)(fsize - off);
     struct slot *t = take_slot();
     struct sink s = {t->buf, 0, size};
     char range[64];
     snprintf(range, sizeof range, "%lld-%lld", (long long)off, (long long)(off + (off_t)size - 1));
-    curl_easy_setopt(t->curl, CURLOPT_URL, object_url);
+    curl_easy_setopt(t->curl, CURLOPT_URL, e ? e->url : object_url);
     curl_easy_setopt(t->curl, CURLOPT_RANGE, range);
     curl_easy_setopt(t->curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(t->curl, CURLOPT_WRITEFUNCTION, on_body);
@@ -167,21 +246,39 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
 
 static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
     (void)fi;
-    if (ino != FUSE_ROOT_ID) {
+    if (!is_dir(ino)) {
         fuse_reply_err(req, ENOTDIR);
         return;
     }
-    char buf[512];
+    /* The directory's entries in a fixed order: ".", "..", then (root) NAME and the manifest's
+     * directory, then the manifest's files whose parent this is. Offset i+1 follows entry i. */
+    size_t cap = 4 + n_entries;
+    const char **names = malloc(cap * sizeof *names);
+    fuse_ino_t *inos = malloc(cap * sizeof *inos);
+    size_t n = 0;
+#define ADD(NAME, INO) do { names[n] = (NAME); inos[n] = (INO); n++; } while (0)
+    ADD(".", ino);
+    ADD("..", FUSE_ROOT_ID);
+    if (ino == FUSE_ROOT_ID) {
+        ADD(file_name, BIG_INO);
+        if (dir_name) ADD(dir_name, DIR_INO);
+    }
+    for (size_t i = 0; i < n_entries; i++)
+        if (entries[i].parent == ino) ADD(entries[i].name, FIRST_ENTRY_INO + i);
+#undef ADD
+    char *buf = malloc(size);
     size_t used = 0;
-    const char *names[] = {".", "..", file_name};
-    for (off_t i = off; i < 3; i++) {
+    for (off_t i = off; i >= 0 && (size_t)i < n; i++) {
         struct stat st;
-        fill_attr(i == 2 ? 2 : FUSE_ROOT_ID, &st);
-        size_t n = fuse_add_direntry(req, buf + used, sizeof buf - used, names[i], &st, i + 1);
-        if (n > sizeof buf - used || used + n > size) break;
-        used += n;
+        fill_attr(inos[i], &st);
+        size_t len = fuse_add_direntry(req, buf + used, size - used, names[i], &st, i + 1);
+        if (len > size - used) break;
+        used += len;
     }
     fuse_reply_buf(req, buf, used);
+    free(buf);
+    free(names);
+    free(inos);
 }
 
 /* Buffered sequential reads arrive as 1 MiB requests only if the mount's bdi allows it. The
@@ -208,10 +305,11 @@ static void raise_readahead(const char *mountpoint) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 5) {
-        fprintf(stderr, "usage: floorfs URL SIZE NAME MOUNTPOINT\n");
+    if (argc != 5 && argc != 6) {
+        fprintf(stderr, "usage: floorfs URL SIZE NAME MOUNTPOINT [MANIFEST]\n");
         return 2;
     }
+    if (argc == 6 && load_manifest(argv[5]) != 0) return 2;
     object_url = argv[1];
     file_size = strtoll(argv[2], NULL, 10);
     file_name = argv[3];

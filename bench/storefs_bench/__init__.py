@@ -19,8 +19,15 @@ Where a number comes from:
     chart.py      --chart: the table as bars (matplotlib), from a run or a saved JSON file
     tls.py        --tls: the run's CA and certificate, nginx between the link's two proxies,
                   what TLS costs, the listing walk over HTTPS
+    workloads.py  the workload rows (1,000 small files, mmap by 1 and 4 threads, cached reads
+                  after the pages are dropped): data, baselines, phases, request counts
+    workload_workers.py   their child-process loops
+    workload_report.py    their table, targets, verdicts and JSON rows
+    whole_file.py bench/whole-file: files of 512 KiB-8 MiB fetched whole or in parts, for
+                  whole_file='s default
 
-`bench/run` only parses arguments, picks the setting and calls these.
+`bench/run` only parses arguments, picks the setting and calls these; `bench/whole-file`
+calls whole_file.py.
 """
 
 import os

@@ -34,13 +34,16 @@ COLORS = {
     "curl-1": "#bdbdbd", "curl-8": "#757575", "curl-16": "#757575", "walk": "#757575",
     "floor": "#a1887f", "storefs": "#1565c0", V0_SYSTEM: "#64b5f6",
     "rclone-off": "#ef6c00", "rclone-full": "#c62828", "rclone": "#ef6c00",
+    "baseline": "#757575",
 }
 OTHER_COLOR = "#9575cd"  # a system not named above
-KINDS = {"MiB/s": "throughput", "µs": "latency", "ms": "time", "s": "time", "MiB": "memory"}
+KINDS = {"MiB/s": "throughput", "µs": "latency", "ms": "time", "s": "time", "MiB": "memory",
+         "files/s": "throughput", "requests": "count", "connections": "count"}
 LEGEND = {
     "curl-1": "curl-1 (one GET)", "curl-8": "curl-8 (8 ranged GETs)", "curl-16": "curl-16 (16 ranged GETs)",
     "walk": "walk (direct listing: the floor)", "floor": "floor (floorfs.c)",
     V0_SYSTEM: "storefs-v0 (protocol=firebase)",
+    "baseline": "baseline (workload rows: 16 connections, curl-N, the disk)",
 }
 
 
@@ -71,7 +74,7 @@ def png_path(path: str) -> str:
 def _loopback_bars(row: dict) -> list:
     """(system, value) of a loopback/--link row: the curl columns first, then the mounts."""
     vals = row["values"]
-    order = sorted(vals, key=lambda s: not s.startswith("curl-"))
+    order = sorted(vals, key=lambda s: not (s.startswith("curl-") or s == "baseline"))
     return [(s, vals[s]) for s in order if vals[s] is not None]
 
 

@@ -32,7 +32,7 @@ import time
 from . import MIB
 from .data import BIG, SEED, TREE_ENTRIES
 from .host import (BenchError, MountError, busy_share, cpu_jiffies, dir_size_mib, drop_caches, log,
-                   proc_cpu_seconds, proc_wchar)
+                   proc_cpu_seconds)
 from .readers import parallel_readers_mibs, pread_latency, seq_read_mibs, timed_shell
 from .systems import Mount, RunContext
 
@@ -121,11 +121,11 @@ def sequential_phase(sr: SystemRun) -> None:
     try:
         with sr.mount(cache) as m:
             drop_caches()
-            cpu0, srv0, w0 = m.cpu_seconds(), proc_cpu_seconds(server_pid), proc_wchar(server_pid)
+            cpu0, srv0, w0 = m.cpu_seconds(), proc_cpu_seconds(server_pid), sr.ctx.server.sent_bytes()
             j0, t0 = cpu_jiffies(), time.monotonic()
             v = seq_read_mibs(sr.big, size, m.pid)
             sr.put_extra("machine_busy_pct_cold_seq", busy_share(j0, cpu_jiffies(), time.monotonic() - t0))
-            cpu1, srv1, w1 = m.cpu_seconds(), proc_cpu_seconds(server_pid), proc_wchar(server_pid)
+            cpu1, srv1, w1 = m.cpu_seconds(), proc_cpu_seconds(server_pid), sr.ctx.server.sent_bytes()
             if w0 is not None and w1 is not None:
                 sr.put_extra("server_mib_sent_cold_seq", (w1 - w0) / MIB)
             sr.put("cold_seq", v)
@@ -157,7 +157,7 @@ def sequential_phase(sr: SystemRun) -> None:
 
 def random_phase(sr: SystemRun) -> None:
     """Random 4 KiB preads: cold, then from the daemon's cache, then after drop_caches."""
-    ctx, server_pid = sr.ctx, sr.ctx.server.pid
+    ctx = sr.ctx
     cache = sr.fresh_cache()
     offs = random_offsets(ctx.size, SEED + 100 + sr.run_i)
 
@@ -168,9 +168,9 @@ def random_phase(sr: SystemRun) -> None:
     try:
         with sr.mount(cache) as m:
             drop_caches()
-            w0 = proc_wchar(server_pid)
+            w0 = sr.ctx.server.sent_bytes()
             p50, p99 = preads(m, evict_first=False)
-            w1 = proc_wchar(server_pid)
+            w1 = sr.ctx.server.sent_bytes()
             if w0 is not None and w1 is not None:
                 sr.put_extra("server_mib_sent_cold_random", (w1 - w0) / MIB)
             sr.put("rand_cold_p50", p50)
@@ -257,15 +257,14 @@ HEAD_BYTES = 100_000
 def short_read_phase(sr: SystemRun) -> None:
     """`head -c 100000` of big.bin on a fresh mount: the MiB the server sent for it, counted a
     second after head ended (read-ahead it started has landed by then)."""
-    server_pid = sr.ctx.server.pid
     cache = sr.fresh_cache()
     try:
         with sr.mount(cache) as m:
             drop_caches()
-            w0 = proc_wchar(server_pid)
+            w0 = sr.ctx.server.sent_bytes()
             timed_head(sr, m, sr.big, HEAD_BYTES)
             time.sleep(1)
-            w1 = proc_wchar(server_pid)
+            w1 = sr.ctx.server.sent_bytes()
             if w0 is None or w1 is None:
                 raise BenchError("the server's bytes sent are not readable (/proc/PID/io)")
             sr.put("head_100k", (w1 - w0) / MIB)
@@ -301,6 +300,8 @@ def measure_system(ctx: RunContext, system: str, run_i: int, res: dict, extra: d
         sr.step(f"{LINK_READERS} readers", lambda: parallel_phase(sr, LINK_READERS, "par4", None))
         sr.step("first byte", lambda: first_byte_phase(sr))
     sr.step("short read", lambda: short_read_phase(sr))
+    from . import shared_cache  # the shared-cache row (its own module)
+    sr.step("second mount", lambda: shared_cache.second_mount_phase(sr))
     if not sr.cacheless:
         sr.step("find", lambda: walk_phase(sr, "find", f"find {tree} | wc -l", True))
         sr.step("ls -lR", lambda: walk_phase(sr, "lsR", f"ls -lR {tree} > /dev/null", False))

@@ -123,9 +123,12 @@ def parallel_readers_mibs(path: str, size: int, daemon_pid: int | None, n: int) 
 
 
 # --------------------------------------------------------------------------- child-process loops
-def _run_worker(kind: str, spec: dict, timeout: float, what: str, daemon_pid: int | None) -> dict:
+def run_worker(kind: str, spec: dict, timeout: float, what: str, daemon_pid: int | None,
+               script: str = WORKERS_PY) -> dict:
+    """`python3 script kind` with spec as JSON on stdin, its JSON answer; a timeout is a STALL
+    (with what the daemon's threads wait in), a failure a BenchError with the worker's stderr."""
     try:
-        out = subprocess.run([sys.executable, WORKERS_PY, kind], input=json.dumps(spec),
+        out = subprocess.run([sys.executable, script, kind], input=json.dumps(spec),
                              capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise BenchError(f"STALL: {what} not done after {timeout:.0f} s; {daemon_diag(daemon_pid)}") from None
@@ -138,7 +141,7 @@ def pread_latency(path: str, local: str, offsets: list, evict_first: bool, daemo
                   timeout: float = 120):
     """Runs the pread loop in a child (so a hung mount cannot hang the bench); returns (p50, p99) µs."""
     spec = {"path": path, "local": local, "offsets": offsets, "evict": evict_first}
-    res = _run_worker("pread", spec, timeout, f"{len(offsets)} preads", daemon_pid)
+    res = run_worker("pread", spec, timeout, f"{len(offsets)} preads", daemon_pid)
     if res["mismatches"]:
         raise BenchError(f"{res['mismatches']} of {len(offsets)} 4 KiB reads returned wrong bytes")
     lat = [ns / 1000.0 for ns in res["lat_ns"]]
@@ -149,7 +152,7 @@ def stat_loop(paths: list, daemon_pid: int | None, timeout: float = 600) -> dict
     """os.stat of every path in one child process; {"seconds", "p50_us", "p99_us", "sizes"}.
 
     A path that does not stat is an error, not a number."""
-    res = _run_worker("stat", {"paths": paths}, timeout, f"{len(paths)} stats", daemon_pid)
+    res = run_worker("stat", {"paths": paths}, timeout, f"{len(paths)} stats", daemon_pid)
     if res["errors"]:
         raise BenchError(f"{res['errors']} of {len(paths)} stats failed, e.g. {'; '.join(res['first_errors'])}")
     lat = [ns / 1000.0 for ns in res["lat_ns"]]

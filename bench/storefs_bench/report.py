@@ -20,6 +20,7 @@ from .baselines import LAT_GETS
 from .data import BIG, TREE_DIRS, TREE_FILES_PER_DIR
 from .host import other_load_line
 from .phases import LINK_READERS, RAND_READS, READERS
+from .shared_cache import EXTRAS as SHARED_EXTRAS, ROW as SHARED_ROW
 from .stats import median_or_none
 from .systems import MOUNT_SYSTEMS, TLS_MOUNT_SYSTEMS
 
@@ -27,6 +28,7 @@ ROWS = [
     # key, label, unit, higher_is_better
     ("cold_seq", "cold sequential read (dd bs=1M)", "MiB/s", True),
     ("warm_seq", "warm re-read (remount, same cache)", "MiB/s", True),
+    SHARED_ROW,
     ("rand_cold_p50", "random 4K pread p50, cold", "µs", False),
     ("rand_cold_p99", "random 4K pread p99, cold", "µs", False),
     ("rand_cached_p50", "random 4K pread p50, cached", "µs", False),
@@ -329,7 +331,7 @@ def print_extras(base: dict, extra: dict, size_mib: int) -> None:
             ("server_mib_sent_cold_seq", f"bytes served by fake-gcs-server during the cold sequential read of {size_mib} MiB", "MiB"),
             ("server_mib_sent_cold_random", f"bytes served during the {RAND_READS} cold random 4K reads "
              f"({RAND_READS * 4 / 1024:.1f} MiB asked; the rest is read-ahead, or a background download)", "MiB"),
-            ("cache_dir_mib_after_cold_seq", "cache dir size after cold sequential", "MiB")]:
+            ("cache_dir_mib_after_cold_seq", "cache dir size after cold sequential", "MiB")] + SHARED_EXTRAS:
         if key in extra:
             cells = ", ".join(f"{s} {fmt_extra(median_or_none(v), unit)}" for s, v in extra[key].items())
             print(f"{label}: {cells}")
@@ -418,10 +420,10 @@ def print_link_usage(extra: dict, link_info: dict) -> None:
     over = link_info.get("overhead")
     if over is not None:
         print(overhead_line(over))
+    elif not link_info.get("tls_topology"):
+        print(f"link proxy's own overhead: not measured ({link_info.get('overhead_error', 'unknown')})")
     if link_info.get("tls_topology"):
         print(f"--tls topology: {link_info['tls_topology']}")
-    else:
-        print(f"link proxy's own overhead: not measured ({link_info.get('overhead_error', 'unknown')})")
     phases = [k for k in extra if k.startswith("link_stats:")]
     if not phases:
         return

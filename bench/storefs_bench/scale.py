@@ -20,6 +20,12 @@ daemon's VmRSS and the server's request counts by kind, at the end of the mount 
 plus `find` three times on one mount (drop_caches before each) with VmRSS after each: the
 daemon's memory must not grow walk after walk. With --api v0, `storefs-v0` (storefs with
 protocol=firebase, the Firebase v0 list API) runs the find phase against walk(api="v0").
+
+With --manifest, `storefs-manifest` (storefs with `manifest=`, docs/manifest.md) runs every
+phase too, from a manifest of the whole bucket written here (CSV, in the server's order) and
+an index built once into a cache dir kept for all its mounts (`prepare_manifest`: the build
+and a second mount reusing it are timed, and the index's size is noted); then, for it and
+`storefs`, the time to the first byte of a file on a fresh mount after drop_caches.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from .systems import Mount, RunContext
 
 SCALE_SYSTEMS = ["storefs", "rclone"]
 V0_SYSTEM = "storefs-v0"
+MANIFEST_SYSTEM = "storefs-manifest"
+MANIFEST_BUILD_TIMEOUT_S = 3600
 STAT_PATHS = 10_000
 STAT_SEED = SEED + 500          # the same paths in every run and for every system
 FIND_REPEATS = 3
@@ -136,6 +144,8 @@ class ScaleBench:
         self.busy: dict = {}       # "phase:cold|warm" -> system -> [% of all CPUs per run]
         self.repeat_rss: dict = {}  # system -> [[RSS after find 1..3] per run]
         self.walks: dict = {}      # "full" | "wide" | "v0" -> [walk() dict per run]
+        self.manifest: dict = {}   # --manifest: what prepare_manifest and first_bytes measured
+        self.manifest_cache = ""   # storefs-manifest's cache dir, kept across its mounts (its index)
         self.errors: list = []
         t0 = time.monotonic()
         self.count = server.count()
@@ -209,8 +219,59 @@ class ScaleBench:
             return got["seconds"]
         raise BenchError(f"unknown phase {key}")
 
+    # ----------------------------------------------------------------- --manifest
+    def prepare_manifest(self) -> None:
+        """Writes the bucket's manifest, mounts storefs-manifest to build its index (timed,
+        with the index's size), once more to time a mount that reuses it, and measures the
+        first byte of a file on a fresh mount of each storefs system."""
+        path = os.path.join(self.ctx.workdir, "manifest.csv")
+        t0 = time.monotonic()
+        with open(path, "w") as f:
+            f.write("name,size,generation,updated,crc32c\n")
+            s = self.server
+            for n in s.names():
+                f.write(f"{n},{s.size_of(n)},{s.generation_of(n)},2024-05-06T07:08:09.123Z,{s.crc32c_of(n)}\n")
+        self.ctx.manifest_path = path
+        self.manifest_cache = self.ctx.new_cache_dir(MANIFEST_SYSTEM)
+        at_written = time.monotonic()
+        log(f"manifest: {self.count:,} rows, {os.path.getsize(path) / 1e6:,.0f} MB written in {at_written - t0:.1f} s")
+        for key, wait in (("build_s", MANIFEST_BUILD_TIMEOUT_S), ("remount_s", 60)):
+            drop_caches()
+            m = Mount(MANIFEST_SYSTEM, self.ctx, self.ctx.mnt, self.manifest_cache)
+            t0 = time.monotonic()
+            m.start(wait=wait)
+            self.manifest[key] = time.monotonic() - t0
+            self.manifest[key.replace("_s", "_rss")] = proc_rss_mib(m.pid)
+            m.stop()
+        index_dir = os.path.join(self.manifest_cache, "mf-v1")
+        self.manifest["index_bytes"] = sum(os.path.getsize(os.path.join(index_dir, f))
+                                           for f in os.listdir(index_dir) if f.endswith(".idx"))
+        self.manifest["objects"] = self.count
+        log(f"manifest: index of {self.manifest['index_bytes'] / 1e6:,.0f} MB built by the first mount in "
+            f"{self.manifest['build_s']:.1f} s; a mount reusing it {self.manifest['remount_s']:.2f} s")
+        sample = self.stat_paths[0]
+        for system in [s for s in ("storefs", MANIFEST_SYSTEM) if s in self.systems]:
+            m, cache = self.mount(system)
+            try:
+                drop_caches()
+                t0 = time.monotonic()
+                with m:
+                    mounted = time.monotonic() - t0
+                    secs, _ = timed_shell(f"head -c 1 {shlex.quote(sample)} > /dev/null", m.pid, 120)
+                self.manifest.setdefault("first_byte", {})[system] = {"mount_s": mounted, "first_byte_s": secs}
+                log(f"  {system}: mounted in {mounted:.2f} s, first byte of {os.path.relpath(sample, self.ctx.mnt)} "
+                    f"{secs * 1000:.0f} ms later")
+            except (BenchError, subprocess.TimeoutExpired, OSError) as exc:
+                self.fail(0, system, "first byte", exc)
+            finally:
+                if cache:
+                    shutil.rmtree(cache, ignore_errors=True)
+
     # ----------------------------------------------------------------- per system
     def mount(self, system: str) -> tuple:
+        """A mount of `system` and its cache dir to remove afterwards (None: keep it)."""
+        if system == MANIFEST_SYSTEM:
+            return Mount(system, self.ctx, self.ctx.mnt, self.manifest_cache), None
         cache = self.ctx.new_cache_dir(system)
         return Mount(system, self.ctx, self.ctx.mnt, cache), cache
 
@@ -239,7 +300,8 @@ class ScaleBench:
                 runs = self.peak.setdefault(system, {})
                 runs[run_i] = max(runs.get(run_i, 0.0), hwm or 0.0)
         finally:
-            shutil.rmtree(cache, ignore_errors=True)
+            if cache:
+                shutil.rmtree(cache, ignore_errors=True)
 
     def repeated_finds(self, system: str) -> None:
         """find FIND_REPEATS times on one mount, drop_caches before each: VmRSS after each."""
@@ -254,7 +316,8 @@ class ScaleBench:
             self.repeat_rss.setdefault(system, []).append(rss)
             log(f"  {system} VmRSS after {FIND_REPEATS} finds on one mount: " + ", ".join(_mib(x) for x in rss))
         finally:
-            shutil.rmtree(cache, ignore_errors=True)
+            if cache:
+                shutil.rmtree(cache, ignore_errors=True)
 
     def measure_system(self, system: str, run_i: int) -> None:
         """Every phase of one system in one run (storefs-v0: find only), then the repeated

@@ -262,3 +262,18 @@ def scale_json(ctx, sb: ScaleBench, runs: int, duration: float, noise: dict, sys
                  "server": server_cost})
     return {"meta": meta, "walks": sb.walks, "rows": rows, "rss": sb.rss, "hwm": sb.hwm,
             "repeat_rss": sb.repeat_rss, "requests": sb.requests, "busy_pct": sb.busy, "errors": sb.errors}
+
+
+def print_manifest(sb: ScaleBench) -> None:
+    """--manifest: the index build, its size, a mount reusing it, and the first byte of a file
+    on a fresh mount (storefs lists the root first; storefs-manifest lists nothing)."""
+    m = sb.manifest
+    if "build_s" not in m:
+        return
+    per_million = m["index_bytes"] / max(1, m["objects"]) * 1e6
+    print(f"\nmanifest of {m['objects']:,} objects: index built by the first mount in {m['build_s']:.1f} s, "
+          f"{m['index_bytes'] / 1e6:,.0f} MB ({per_million / 1e6:.1f} MB per million objects); "
+          f"a mount reusing it {m['remount_s']:.2f} s (VmRSS {fmt(m.get('remount_rss'), 'MiB')})")
+    for system, v in m.get("first_byte", {}).items():
+        print(f"  {system}: fresh mount after drop_caches {v['mount_s']:.2f} s, then the first byte of a file "
+              f"in {v['first_byte_s'] * 1000:.0f} ms")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,10 @@ import urllib.request
 
 from . import BENCH_DIR, REPO
 from .data import BIG, BUCKET
-from .host import BenchError, ServerProcess, at_cleanup, free_port, log
+from .host import BenchError, ServerProcess, at_cleanup, free_port, log, proc_wchar
+
+# One request in fake-gcs-server's info log: msg="127.0.0.1 - - [date] \"GET /path HTTP/1.1\" 206 0\n"
+_REQUEST_LINE = re.compile(r'\\"([A-Z]+) (\S+) HTTP/[0-9.]+\\" (\d{3}) ')
 
 
 # --------------------------------------------------------------------------- fake-gcs-server
@@ -47,11 +51,16 @@ class FakeGCS(ServerProcess):
     `pki` (loopback --tls): serve https on the port with pki's certificate (Go's TLS server,
     h2 offered by ALPN), and plain http on `http_port` (`-scheme both`), which only the
     measurement of what TLS costs uses.
+    `log_requests`: the server logs every request it answers (`-log-level info`: method, path,
+    status), so the workload rows can count requests on loopback, where no link proxy sees
+    them (`request_paths`); `sent_bytes` leaves those log lines out of the bytes served.
     """
 
     def __init__(self, data_root: str, workdir: str, size: int, port: int = 0,
-                 external_url: str | None = None, pki=None):
+                 external_url: str | None = None, pki=None, log_requests: bool = False):
         self.data_root, self.workdir, self.size = data_root, workdir, size
+        self.log_requests = log_requests
+        self.log_path = os.path.join(workdir, "fake-gcs-server.log")
         self.proc: subprocess.Popen | None = None
         self.fixed_port = port
         self.external_url = external_url
@@ -76,11 +85,12 @@ class FakeGCS(ServerProcess):
                 self.plain_endpoint = f"http://127.0.0.1:{self.http_port}"
                 scheme = ["-scheme", "both", "-port-http", str(self.http_port),
                           "-cert-location", self.pki.cert, "-private-key-location", self.pki.key]
-            logf = open(os.path.join(self.workdir, "fake-gcs-server.log"), "wb")
+            logf = open(self.log_path, "wb")
             # -external-url: mediaLink (which rclone downloads from) must point back here.
             self.proc = subprocess.Popen(
                 [binary, *scheme, "-host", "127.0.0.1", "-port", str(self.port),
-                 "-backend", "memory", "-data", self.data_root, "-log-level", "error",
+                 "-backend", "memory", "-data", self.data_root,
+                 "-log-level", "info" if self.log_requests else "error",
                  "-external-url", self.external_url or self.endpoint],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 start_new_session=True)
@@ -90,7 +100,7 @@ class FakeGCS(ServerProcess):
                 log(f"fake-gcs-server pid {self.proc.pid} on {self.endpoint} ready "
                     f"({time.monotonic() - t0:.1f} s)")
                 return self
-            with open(os.path.join(self.workdir, "fake-gcs-server.log"), "rb") as f:
+            with open(self.log_path, "rb") as f:
                 tail = f.read()[-2000:].decode(errors="replace")
             self.stop()
             log(f"fake-gcs-server did not come up on port {self.port}: {tail}")
@@ -112,6 +122,29 @@ class FakeGCS(ServerProcess):
             except (OSError, ValueError):
                 time.sleep(0.2)
         return False
+
+    def sent_bytes(self) -> int | None:
+        """Bytes the server has written to its sockets since it started: its /proc/PID/io wchar
+        (the memory backend writes nothing else) less what went to its own log."""
+        w = proc_wchar(self.pid)
+        if w is None:
+            return None
+        try:
+            return w - os.path.getsize(self.log_path)
+        except OSError:
+            return w
+
+    def log_mark(self) -> int:
+        """Where the request log ends now: request_paths(mark) reads what follows."""
+        return os.path.getsize(self.log_path)
+
+    def request_paths(self, mark: int) -> list:
+        """(method, path, status) of every request logged since `mark` (with log_requests)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(mark)
+            data = f.read()
+        return [(m.group(1), m.group(2), int(m.group(3)))
+                for m in _REQUEST_LINE.finditer(data.decode(errors="replace"))]
 
     def media_path(self, name: str = BIG) -> str:
         return f"/download/storage/v1/b/{BUCKET}/o/{name}?alt=media"

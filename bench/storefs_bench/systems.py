@@ -8,6 +8,8 @@ Systems (bench/README.md, "What happens" 3 and 4):
   mounted with `endpoint=…,anonymous,cache_dir=<fresh dir>` plus `STOREFS_BENCH_OPTS`.
 - `storefs-v0` (--scale --api v0): the same with protocol=firebase (the Firebase v0 API).
 - `storefs-h2` (--tls): storefs with `http_version=2`, beside `storefs` with `http_version=1.1`.
+- `storefs-manifest` (--scale --manifest): storefs mounted from a manifest of the bucket
+  (`manifest=`, `ctx.manifest_path`), with a cache dir that keeps its index across mounts.
 - `rclone-off`, `rclone-full`: `rclone mount --read-only --vfs-cache-mode off|full`;
   `rclone` (the --scale setting): rclone mount with its default cache mode (off).
 
@@ -39,7 +41,8 @@ MOUNT_SYSTEMS = ["floor", "storefs", "rclone-off", "rclone-full"]
 # With --tls: storefs twice, once per HTTP version (storefs = http_version=1.1).
 TLS_MOUNT_SYSTEMS = ["floor", "storefs", "storefs-h2", "rclone-off", "rclone-full"]
 # storefs and its variants: the -o options each adds to the common ones.
-STOREFS_VARIANTS = {"storefs": "", "storefs-v0": "protocol=firebase", "storefs-h2": "http_version=2"}
+STOREFS_VARIANTS = {"storefs": "", "storefs-v0": "protocol=firebase", "storefs-h2": "http_version=2",
+                    "storefs-manifest": "manifest={manifest}"}
 FLOOR_SRC = os.path.join(BENCH_DIR, "floor", "floorfs.c")
 
 
@@ -87,6 +90,8 @@ class RunContext:
         self.mnt = os.path.join(workdir, "mnt")
         os.makedirs(self.mnt)
         self.local_big = ""
+        # The workload rows' files (workloads.py), shown by the floor too: its MANIFEST argument.
+        self.floor_manifest = ""
         # Timeouts of pread passes and walks are multiplied by this: 5 through a modelled link,
         # where every request pays a time-to-first-byte and new connections a setup delay.
         self.timeout_factor = 1.0
@@ -96,6 +101,8 @@ class RunContext:
         # measured with (["1.1", "2"], or ["default"]: no http_version= at all).
         self.pki = None
         self.http_versions: list = ["1.1", "2"]
+        # --scale --manifest: the manifest storefs-manifest mounts from.
+        self.manifest_path = ""
 
     def new_cache_dir(self, system: str) -> str:
         self._cache_n += 1
@@ -111,7 +118,7 @@ class RunContext:
             opts += f",ca_file={self.pki.ca}"
             if "http_version=" not in variant and self.http_versions != ["default"]:
                 opts += ",http_version=1.1"
-        for extra in (variant, self.storefs_opts):
+        for extra in (variant.replace("{manifest}", self.manifest_path), self.storefs_opts):
             if extra:
                 opts += "," + extra
         return opts
@@ -130,7 +137,8 @@ class Mount:
         """(argv, fstype it shows in mountinfo) for this system."""
         c = self.ctx
         if self.system == "floor":
-            return ([c.floor_bin, c.object_url, str(c.size), BIG, self.mnt], "fuse.floorfs")
+            return ([c.floor_bin, c.object_url, str(c.size), BIG, self.mnt]
+                    + ([c.floor_manifest] if c.floor_manifest else []), "fuse.floorfs")
         if self.system in STOREFS_VARIANTS:
             opts = c.storefs_options(self.cache_dir, STOREFS_VARIANTS[self.system])
             return [c.storefs_bin, "-f", "-o", opts, c.bucket, self.mnt], "fuse.storefs"
@@ -141,8 +149,8 @@ class Mount:
                     + ["--cache-dir", self.cache_dir] + c.rclone_opts, "fuse.rclone")
         raise BenchError(f"unknown system {self.system!r}")
 
-    def start(self) -> "Mount":
-        """Start the daemon and wait (60 s at most) until mountinfo shows its fstype at mnt."""
+    def start(self, wait: float = 60) -> "Mount":
+        """Start the daemon and wait (`wait` s at most) until mountinfo shows its fstype at mnt."""
         if mounted_fstype(self.mnt):
             raise BenchError(f"{self.mnt} is already a mount point")
         argv, fstype = self.argv()
@@ -156,7 +164,7 @@ class Mount:
                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
         logf.close()
         at_cleanup(self.stop)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             got = mounted_fstype(self.mnt)
             if got == fstype:

@@ -1,21 +1,13 @@
 #ifndef STOREFS_CBLOCKCACHE_H
 #define STOREFS_CBLOCKCACHE_H
-/* The block cache's C needs, each something Swift cannot reach directly: CRC32C with the SSE4.2
- * crc32 instruction, SHA-256 from OpenSSL's libcrypto, and fallocate and O_DIRECT (_GNU_SOURCE
- * names Glibc's Swift module does not export). */
+/* The block cache's C needs, each something Swift cannot reach directly: fallocate, O_DIRECT,
+ * open file description locks and renameat2 (_GNU_SOURCE names Glibc's Swift module does not
+ * export, or variadic fcntl), and atomics on memory that other processes map too (the shared
+ * cache state: Swift's Atomic lives only in its own storage). Its checksums are CChecksum's. */
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
-/* CRC32C (Castagnoli) of buf, continuing from crc (pass 0 to start). */
-uint32_t cchecksum_crc32c(uint32_t crc, const void *buf, size_t len);
-/* The same CRC without the SSE4.2 instruction (tests compare the two). */
-uint32_t cblockcache_crc32c_portable(uint32_t crc, const void *buf, size_t len);
-/* CRC32C of the concatenation of `count` pieces from their own CRC32Cs (no re-read): every
- * piece `block_len` bytes long but the last, `last_len` (both > 0). */
-uint32_t cblockcache_crc32c_combine(const uint32_t *crcs, size_t count, size_t block_len, size_t last_len);
-/* SHA-256 of buf into out[32]. */
-void cchecksum_sha256(const void *buf, size_t len, uint8_t out[32]);
 /* Frees the disk space of [offset, offset+len) keeping the file size (FALLOC_FL_PUNCH_HOLE). 0 or -1/errno. */
 int cblockcache_punch_hole(int fd, off_t offset, off_t len);
 /* Allocates the disk space of [offset, offset+len) (unwritten extents, size kept). 0 or -1/errno. */
@@ -24,4 +16,21 @@ int cblockcache_allocate(int fd, off_t offset, off_t len);
  * /proc/self/fd (never a name another process could have swapped) and checked to be the same
  * inode. -1/errno where the filesystem, or /proc, does not allow it. */
 int cblockcache_reopen_direct(int fd);
+/* An open file description lock (F_OFD_SETLK[W]) on [start, start+len) of fd: shared or
+ * exclusive, waiting for it or not. Released by cblockcache_unlock_range, or when the last
+ * descriptor of that open file description closes (a killed process's go with it). 0 or
+ * -1/errno (EAGAIN: held by another, without waiting). */
+int cblockcache_lock_range(int fd, off_t start, off_t len, int exclusive, int wait);
+int cblockcache_unlock_range(int fd, off_t start, off_t len);
+/* renameat2(..., RENAME_NOREPLACE): 0, or -1/errno (EEXIST: the new name is taken). */
+int cblockcache_rename_noreplace(int olddirfd, const char *oldpath, int newdirfd, const char *newpath);
+/* Sequentially consistent atomics on an aligned 8-byte word of shared memory. */
+int64_t cblockcache_atomic_load(const int64_t *p);
+void cblockcache_atomic_store(int64_t *p, int64_t v);
+/* Adds v; returns the new value. */
+int64_t cblockcache_atomic_add(int64_t *p, int64_t v);
+/* Stores v; returns the value before. */
+int64_t cblockcache_atomic_exchange(int64_t *p, int64_t v);
+/* Stores desired if *p is expected: 1, else 0 (and *p unchanged). */
+int cblockcache_atomic_cas(int64_t *p, int64_t expected, int64_t desired);
 #endif

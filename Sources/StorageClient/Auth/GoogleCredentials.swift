@@ -1,4 +1,5 @@
 import Foundation
+import Locking
 
 /// Google OAuth2 credentials for the GCS JSON API (and admin access to v0), docs/protocol.md §5.7.
 public enum GoogleCredentials {
@@ -138,7 +139,7 @@ public enum FirebaseUserCredentials {
 
     /// The latest refresh token (it may rotate on every refresh).
     final class RefreshTokenBox: @unchecked Sendable {
-        private let lock = NSLock()
+        private let lock = OrderedLock(.refreshToken)
         private var stored: String?
         var value: String? {
             get { lock.lock(); defer { lock.unlock() }; return stored }

@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import Synchronization
+import Locking
 
 /// A bearer-style token and when it stops being valid (wall clock, seconds since the epoch).
 public struct AccessToken: Sendable {
@@ -34,10 +35,13 @@ public final class RefreshingCredentials: Credentials {
 
     private let scheme: String
     private let fetch: @Sendable (_ previous: AccessToken?) throws(StorageError) -> AccessToken
-    private let current = Mutex<AccessToken?>(nil)
-    private let refreshing = NSLock()
+    private let current = OrderedMutex<AccessToken?>(.credentialsCurrent, nil)
+    /// One refresh at a time, held across the token service's request (network I/O): callers
+    /// that need a token wait for the refresh under way instead of each asking (a storm of
+    /// refreshes after an expiry), within that request's own time bound (30 s).
+    private let refreshing = OrderedLock(.credentialRefresh)
     /// The header value of the last token a rejection forced, and when (monotonic seconds).
-    private let lastForced = Mutex<(value: String, at: Double)?>(nil)
+    private let lastForced = OrderedMutex<(value: String, at: Double)?>(.credentialsLastForced, nil)
     private let forcedRefreshSpacing: Double
     /// What these credentials are, for messages ("service account x@y").
     public let label: String

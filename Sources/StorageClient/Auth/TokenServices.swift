@@ -40,8 +40,8 @@ public struct TokenServices: Sendable {
             body = Array((try? JSONSerialization.data(withJSONObject: json ?? [:])) ?? Data())
             contentType = "application/json"
         }
-        let response = try RetryPolicy(attempts: 3, budget: 30).run { deadline throws(StorageError) -> HTTPResponse in
-            let r = try http.post(url, headers: ["Content-Type: \(contentType)"], body: body, deadline: deadline)
+        let response = try RetryPolicy(attempts: 3, budget: 30).run { t throws(StorageError) -> HTTPResponse in
+            let r = try http.post(url, headers: ["Content-Type: \(contentType)"], body: body, deadline: t.deadline, attempt: t.number)
             if r.status >= 500 || r.status == 429 || r.status == 408 {
                 throw StorageError.fromStatus(r.status, what: "\(what): token service answered \(r.status)")
             }
@@ -58,8 +58,8 @@ public struct TokenServices: Sendable {
     }
 
     func get(_ url: String, headers: [String], what: String) throws(StorageError) -> [String: Any] {
-        let response = try RetryPolicy(attempts: 3, budget: 30).run { deadline throws(StorageError) -> HTTPResponse in
-            try http.get(url, headers: headers, limit: 1 << 20, deadline: deadline)
+        let response = try RetryPolicy(attempts: 3, budget: 30).run { t throws(StorageError) -> HTTPResponse in
+            try http.get(url, headers: headers, limit: 1 << 20, deadline: t.deadline, options: RequestOptions(attempt: t.number))
         }
         guard (200..<300).contains(response.status),
               let answer = (try? JSONSerialization.jsonObject(with: Data(response.body))) as? [String: Any] else {

@@ -4,7 +4,7 @@ import Foundation
 /// Security Rules. Listing items carry only names (`metadataComplete: false`), so sizes and
 /// times come from per-object metadata GETs. v0 reads may create a download token and bump
 /// `metageneration`; content identity is `generation` alone.
-public final class FirebaseV0Store: ObjectStore {
+public final class FirebaseV0Store: ObjectStore, ConnectionTuning {
     public static let defaultEndpoint = "https://firebasestorage.googleapis.com"
 
     public let bucket: String
@@ -37,11 +37,13 @@ public final class FirebaseV0Store: ObjectStore {
         return "\(bucketPath)?\(ObjectName.query(query))"
     }
 
-    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
+    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?,
+                     connection: ConnectionClaim?) throws(StorageError) -> ListPage {
         // maxResults is left out on purpose, as listAll() does: the server picks the page size.
         let what = "list gs://\(bucket)/\(prefix)"
         let page = try ListPageParser.parse(try client.getJSONBytes(listURL(prefix: prefix, pageToken: pageToken, maxResults: nil),
-                                                                    what: what, isCancelled: isCancelled),
+                                                                    what: what, isCancelled: isCancelled,
+                                                                    connection: connection),
                                             what: what, defaultBucket: bucket, itemsAreNamesOnly: true)
         // Names only (§2.4): size and generation come from a metadata GET when asked for.
         let prefixes = page.prefixes.map { $0.hasSuffix("/") ? $0 : $0 + "/" }
@@ -65,12 +67,13 @@ public final class FirebaseV0Store: ObjectStore {
         return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 
+    @discardableResult
     public func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
-                     isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+                     isCancelled: (@Sendable () -> Bool)?, connection: ConnectionClaim?) throws(StorageError) -> ReadTiming {
         // v0 has no generation parameter: the answer's x-goog-generation tells which one came.
         let url = "\(bucketPath)/\(ObjectName.encode(name))?alt=media"
         let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: offset, into: buffer,
-                                           isCancelled: isCancelled)
+                                           isCancelled: isCancelled, connection: connection)
         // Without the header nothing says which generation these bytes are: never cache them
         // under the one pinned at open.
         guard let served = response.headers["x-goog-generation"].flatMap({ Int64($0) }) else {
@@ -79,6 +82,7 @@ public final class FirebaseV0Store: ObjectStore {
         if served != generation {
             throw StorageError(.generationChanged, "gs://\(bucket)/\(name) changed (generation \(served), opened \(generation))")
         }
+        return ReadTiming(firstByte: response.firstByte)
     }
 
     /// v0 lookups need a metadata GET (listings carry no sizes): the first bytes are asked in

@@ -2,7 +2,7 @@ import Foundation
 
 /// The GCS JSON API (docs/protocol.md §5): listing and metadata under `/storage/v1`, media under
 /// `/download/storage/v1` with `alt=media`, every read pinned to a generation.
-public final class GCSJSONStore: ObjectStore {
+public final class GCSJSONStore: ObjectStore, ConnectionTuning {
     public static let defaultEndpoint = "https://storage.googleapis.com"
     /// Production caps pages at 1000 entries; fake-gcs-server's default is unlimited, so ask.
     public static let pageSize = 1000
@@ -33,18 +33,35 @@ public final class GCSJSONStore: ObjectStore {
 
     private var bucketPath: String { "\(endpoint)/storage/v1/b/\(ObjectName.encode(bucket))/o" }
 
-    private func listURL(prefix: String, pageToken: String?, maxResults: Int, fields: String) -> String {
-        var query: [(String, String)] = [("delimiter", "/"), ("maxResults", "\(maxResults)"), ("fields", fields)]
+    private func listURL(prefix: String, pageToken: String?, maxResults: Int, fields: String, delimited: Bool = true) -> String {
+        var query: [(String, String)] = delimited ? [("delimiter", "/")] : []
+        query += [("maxResults", "\(maxResults)"), ("fields", fields)]
         if !prefix.isEmpty { query.append(("prefix", prefix)) }
         if let pageToken { query.append(("pageToken", pageToken)) }
         return "\(bucketPath)?\(ObjectName.query(query))"
     }
 
-    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
+    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?,
+                     connection: ConnectionClaim?) throws(StorageError) -> ListPage {
         let url = listURL(prefix: prefix, pageToken: pageToken, maxResults: Self.pageSize, fields: Self.listFields)
         let what = "list gs://\(bucket)/\(prefix)"
-        return try ListPageParser.parse(try client.getJSONBytes(url, what: what, isCancelled: isCancelled), what: what,
-                                        defaultBucket: bucket)
+        return try ListPageParser.parse(try client.getJSONBytes(url, what: what, isCancelled: isCancelled, connection: connection),
+                                        what: what, defaultBucket: bucket)
+    }
+
+    /// One page of every object under `prefix`, at any depth (no delimiter): what
+    /// `storefs manifest` reads, a bucket in a thousand objects a request.
+    public func listAll(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> ListPage {
+        let url = listURL(prefix: prefix, pageToken: pageToken, maxResults: Self.pageSize,
+                          fields: "items(name,size,generation,updated,timeCreated,crc32c,metadata),nextPageToken", delimited: false)
+        let what = "list gs://\(bucket)/\(prefix)"
+        do throws(StorageError) {
+            return try ListPageParser.parse(try client.getJSONBytes(url, what: what, isCancelled: isCancelled), what: what,
+                                            defaultBucket: bucket)
+        } catch {
+            guard pageToken == nil else { throw error }
+            throw AuthorizedHTTP.explainAccessError(error, bucket: bucket, prefix: prefix, endpoint: endpoint)
+        }
     }
 
     public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
@@ -59,12 +76,15 @@ public final class GCSJSONStore: ObjectStore {
         return try ObjectMetadata.parse(json: json, defaultBucket: bucket)
     }
 
+    @discardableResult
     public func read(_ name: String, generation: Int64, offset: Int64, into buffer: RangeBuffer,
-                     isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+                     isCancelled: (@Sendable () -> Bool)?, connection: ConnectionClaim?) throws(StorageError) -> ReadTiming {
         let url = "\(endpoint)/download/storage/v1/b/\(ObjectName.encode(bucket))/o/\(ObjectName.encode(name))"
             + "?alt=media&generation=\(generation)"
         do throws(StorageError) {
-            _ = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: offset, into: buffer, isCancelled: isCancelled)
+            let response = try client.getRange(url, what: "read gs://\(bucket)/\(name)", start: offset, into: buffer,
+                                               isCancelled: isCancelled, connection: connection)
+            return ReadTiming(firstByte: response.firstByte)
         } catch {
             guard error.code == .notFound else { throw error }
             // With generation= pinned, 404 means that generation is gone: the object changed.

@@ -1,4 +1,4 @@
-internal import CBlockCache
+internal import CChecksum
 internal import CCurl
 import Foundation
 

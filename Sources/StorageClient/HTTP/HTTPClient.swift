@@ -1,6 +1,7 @@
 internal import CCurl
 import Foundation
 import Synchronization
+import Locking
 
 /// A finished HTTP exchange. Header names are lower-cased; repeated headers are comma-joined.
 public struct HTTPResponse: Sendable {
@@ -12,6 +13,24 @@ public struct HTTPResponse: Sendable {
     public var bytesRead: Int
     /// The HTTP version the exchange used: "1.1" or "2" ("1.0" from an old server).
     public var httpVersion: String = ""
+    /// Seconds from the request's start to its first byte, the connection's set-up left out
+    /// (`HTTPClient.firstByteDelay`): how far away the server is.
+    public var firstByte: Double = 0
+}
+
+/// What one request carries besides its URL and headers: which try of its operation it is
+/// (`RetryPolicy.Try`; logs and metrics show it), who may cancel it, and the connection set
+/// aside for it (`ConnectionClaim`), if any.
+public struct RequestOptions: Sendable {
+    public var attempt: Int
+    public var isCancelled: (@Sendable () -> Bool)?
+    public var connection: ConnectionClaim?
+
+    public init(attempt: Int = 1, isCancelled: (@Sendable () -> Bool)? = nil, connection: ConnectionClaim? = nil) {
+        self.attempt = attempt
+        self.isCancelled = isCancelled
+        self.connection = connection
+    }
 }
 
 /// Blocking HTTP over libcurl with connection reuse.
@@ -40,17 +59,17 @@ public final class HTTPClient: Sendable {
     private struct Handles: ~Copyable { var idle: [CurlEasyBox] = [] }
     private struct CurlEasyBox: @unchecked Sendable { let easy: CurlEasy }
 
-    private let pool = Mutex(Handles())
+    private let pool = OrderedMutex(.httpPool, Handles())
     /// Handles out of the pool, running a request.
     private let busy = Atomic<Int>(0)
     /// `scheme://authority` of each origin asked about, and whether it is this machine.
-    private let loopbackOrigins = Mutex([(origin: [UInt8], isLoopback: Bool)]())
+    private let loopbackOrigins = OrderedMutex(.httpLoopback, [(origin: [UInt8], isLoopback: Bool)]())
     private let timeouts: Timeouts
     private let userAgent: String
     private let httpVersion: HTTPVersion
     /// The certificates https is verified against: given at init, or the system store loaded
     /// at the first https request (`TrustStore`). Set once, then only read.
-    private let trust: Mutex<TrustStore?>
+    private let trust: OrderedMutex<TrustStore?>
     /// TLS sessions and DNS answers shared by every handle, so a new connection resumes the
     /// TLS session of an earlier one (an abbreviated handshake) instead of a full one.
     private let share: ShareBox
@@ -61,7 +80,7 @@ public final class HTTPClient: Sendable {
         self.timeouts = timeouts
         self.userAgent = userAgent
         self.httpVersion = httpVersion
-        self.trust = Mutex(trust)
+        self.trust = OrderedMutex(.httpTrust, trust)
         CurlGlobal.ensureInitialised()
         self.share = ShareBox()
     }
@@ -79,8 +98,8 @@ public final class HTTPClient: Sendable {
     /// GET `url` and collect at most `limit` bytes of body. `deadline` (monotonic seconds)
     /// ends the request however far it got.
     public func get(_ url: String, headers: [String], limit: Int = 1 << 20, deadline: Double? = nil,
-                    isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
-        try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline, isCancelled: isCancelled)
+                    options: RequestOptions = RequestOptions()) throws(StorageError) -> HTTPResponse {
+        try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline, options: options)
     }
 
     /// GET `url` with `Range: bytes=start-(start+buffer.count-1)` and copy exactly those bytes into
@@ -89,46 +108,47 @@ public final class HTTPClient: Sendable {
     /// that stops where the object ends is whole (`bytesRead` says how much came).
     public func getRange(_ url: String, headers: [String], start: Int64, into buffer: UnsafeMutableRawBufferPointer,
                          untilEnd: Bool = false, deadline: Double? = nil,
-                         isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+                         options: RequestOptions = RequestOptions()) throws(StorageError) -> HTTPResponse {
         try getRange(url, headers: headers, start: start, into: RangeBuffer(buffer), untilEnd: untilEnd, deadline: deadline,
-                     isCancelled: isCancelled)
+                     options: options)
     }
 
     /// `getRange` into a buffer that may be taken only when the first body byte arrives.
     public func getRange(_ url: String, headers: [String], start: Int64, into buffer: RangeBuffer,
                          untilEnd: Bool = false, deadline: Double? = nil,
-                         isCancelled: (@Sendable () -> Bool)? = nil) throws(StorageError) -> HTTPResponse {
+                         options: RequestOptions = RequestOptions()) throws(StorageError) -> HTTPResponse {
         precondition(buffer.count > 0, "no Range request for zero bytes")
         let last = start + Int64(buffer.count) - 1
         return try perform(url, headers: headers + ["Range: bytes=\(start)-\(last)"],
-                           sink: .window(buffer: buffer, start: start), deadline: deadline, isCancelled: isCancelled,
+                           sink: .window(buffer: buffer, start: start), deadline: deadline, options: options,
                            untilEnd: untilEnd)
     }
 
     /// POST a body (token endpoints); answers are collected like `get`.
     public func post(_ url: String, headers: [String], body: [UInt8], limit: Int = 1 << 20,
-                     deadline: Double? = nil) throws(StorageError) -> HTTPResponse {
-        try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline, isCancelled: nil, postBody: body)
+                     deadline: Double? = nil, attempt: Int = 1) throws(StorageError) -> HTTPResponse {
+        try perform(url, headers: headers, sink: .collect(limit: limit), deadline: deadline,
+                    options: RequestOptions(attempt: attempt), postBody: body)
     }
 
     /// Takes the warm connection (the handle most recently put back) for a request that must
     /// not wait for a new connection's set-up, before requests made after it can take it:
-    /// nil when none is idle. The request runs inside `ConnectionClaim.run`.
+    /// nil when none is idle. The request it is given to (`RequestOptions.connection`) takes it.
     public func claimIdleConnection() -> ConnectionClaim? {
         guard let box = pool.withLock({ $0.idle.popLast() }) else { return nil }
         return ConnectionClaim(box.easy, client: self)
     }
 
-    /// A new connection for the first request made inside `ConnectionClaim.run`, never an
-    /// idle one: for opening a connection ahead of need, which then joins the pool.
+    /// A new connection for the request it is given to, never an idle one: for opening a
+    /// connection ahead of need, which then joins the pool.
     public func claimNewConnection() -> ConnectionClaim { ConnectionClaim(newEasy(), client: self) }
 
     /// Connections in the pool or in use (one set aside by a claim not yet used is not counted;
     /// a pooled one the server has closed since is: curl opens it again on use).
     public var connectionCount: Int { pool.withLock { $0.idle.count } + busy.load(ordering: .relaxed) }
 
-    private func checkout() -> CurlEasy {
-        if let claimed = ConnectionClaim.current?.take() { return claimed }
+    private func checkout(_ claim: ConnectionClaim?) -> CurlEasy {
+        if let claimed = claim?.take() { return claimed }
         if let box = pool.withLock({ $0.idle.popLast() }) { return box.easy }
         return newEasy()
     }
@@ -146,10 +166,10 @@ public final class HTTPClient: Sendable {
 
     /// One exchange, reported to `StorageTelemetry.onExchange` (logs and metrics) when set.
     private func perform(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
-                         isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]? = nil,
+                         options: RequestOptions, postBody: [UInt8]? = nil,
                          untilEnd: Bool = false) throws(StorageError) -> HTTPResponse {
         guard let observe = StorageTelemetry.onExchange else {
-            return try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody,
+            return try transfer(url, headers: headers, sink: sink, deadline: deadline, options: options, postBody: postBody,
                                 untilEnd: untilEnd)
         }
         let started = monotonicNow()
@@ -158,9 +178,9 @@ public final class HTTPClient: Sendable {
         var record = HTTPExchangeRecord(method: postBody == nil ? "GET" : "POST",
                                         kind: RequestKind.of(url: url, isPost: postBody != nil, isRanged: ranged),
                                         url: url, status: 0, bytes: 0, seconds: 0,
-                                        attempt: max(1, StorageTelemetry.attempt), failure: nil)
+                                        attempt: max(1, options.attempt), failure: nil)
         do {
-            let response = try transfer(url, headers: headers, sink: sink, deadline: deadline, isCancelled: isCancelled, postBody: postBody,
+            let response = try transfer(url, headers: headers, sink: sink, deadline: deadline, options: options, postBody: postBody,
                                         untilEnd: untilEnd)
             record.status = response.status
             record.bytes = ranged ? response.bytesRead : response.body.count
@@ -178,7 +198,8 @@ public final class HTTPClient: Sendable {
     }
 
     private func transfer(_ url: String, headers: [String], sink: CurlTransfer.Sink, deadline: Double?,
-                          isCancelled: (@Sendable () -> Bool)?, postBody: [UInt8]?, untilEnd: Bool) throws(StorageError) -> HTTPResponse {
+                          options: RequestOptions, postBody: [UInt8]?, untilEnd: Bool) throws(StorageError) -> HTTPResponse {
+        let isCancelled = options.isCancelled
         if let isCancelled, isCancelled() { throw StorageError(.cancelled, "transfer cancelled") }
         var timeLeftMS = 0
         if let deadline {
@@ -190,7 +211,7 @@ public final class HTTPClient: Sendable {
         }
         let isTLS = url.utf8.starts(with: "https:".utf8)
         let store = isTLS ? try trustStore() : nil
-        let easy = checkout()
+        let easy = checkout(options.connection)
         busy.add(1, ordering: .relaxed)
         defer { busy.subtract(1, ordering: .relaxed) }
         let h = easy.handle
@@ -271,7 +292,7 @@ public final class HTTPClient: Sendable {
         _ = ccurl_getinfo_double(h, CURLINFO_STARTTRANSFER_TIME, &firstByte)
         _ = ccurl_getinfo_double(h, CURLINFO_CONNECT_TIME, &connected)
         _ = ccurl_getinfo_double(h, CURLINFO_APPCONNECT_TIME, &secured)
-        StorageTelemetry.lastFirstByte = Self.firstByteDelay(firstByte: firstByte, setUp: max(connected, secured))
+        let firstByteDelay = Self.firstByteDelay(firstByte: firstByte, setUp: max(connected, secured))
 
         if rc == CURLE_OK || (rc == CURLE_WRITE_ERROR && transfer.stoppedEarly) {
             checkin(easy)
@@ -288,7 +309,7 @@ public final class HTTPClient: Sendable {
             var version = 0
             _ = ccurl_getinfo_long(h, CURLINFO_HTTP_VERSION, &version)
             return HTTPResponse(status: status, headers: transfer.headers, body: transfer.body, bytesRead: transfer.filled,
-                                httpVersion: Self.versionName(version))
+                                httpVersion: Self.versionName(version), firstByte: firstByteDelay)
         }
         // A failed transfer may leave the connection in an unknown state: drop the handle.
         if let failure = transfer.failure { throw failure }
@@ -400,12 +421,12 @@ final class ShareBox: @unchecked Sendable {
 }
 
 /// A warm connection set aside for one piece of work (`HTTPClient.claimIdleConnection`): the
-/// first request made inside `run` takes it, on whatever thread `run` is called. A lookup's
-/// directory page takes the connection the previous request freed this way, while the
+/// first request it is given to (`RequestOptions.connection`) takes it, on whatever thread. A
+/// lookup's directory page takes the connection the previous request freed this way, while the
 /// lookup's own probes, sent after it, open new ones (docs/architecture.md, "Lookups in one
-/// round trip"). A claim nobody used goes back to the pool.
+/// round trip"). A claim nobody used goes back to the pool when it is let go.
 public final class ConnectionClaim: @unchecked Sendable {
-    private let lock = NSLock()
+    private let lock = OrderedLock(.connectionClaim)
     private var easy: CurlEasy?
     private let client: HTTPClient
 
@@ -416,23 +437,6 @@ public final class ConnectionClaim: @unchecked Sendable {
 
     deinit { if let easy { client.checkin(easy) } }
 
-    /// Runs `body` with the claim offered to its first request; an unused claim is given back
-    /// when `body` ends. `claim` may be nil: `body` just runs.
-    public static func run<T, E: Error>(_ claim: ConnectionClaim?, _ body: () throws(E) -> T) throws(E) -> T {
-        guard let claim else { return try body() }
-        let outer = pthread_getspecific(key)
-        pthread_setspecific(key, Unmanaged.passUnretained(claim).toOpaque())
-        defer {
-            pthread_setspecific(key, outer)
-            if let unused = claim.take() { claim.client.checkin(unused) }
-        }
-        return try body()
-    }
-
-    fileprivate static var current: ConnectionClaim? {
-        pthread_getspecific(key).map { Unmanaged<ConnectionClaim>.fromOpaque($0).takeUnretainedValue() }
-    }
-
     fileprivate func take() -> CurlEasy? {
         lock.lock()
         defer { lock.unlock() }
@@ -441,9 +445,4 @@ public final class ConnectionClaim: @unchecked Sendable {
         return e
     }
 
-    private static let key: pthread_key_t = {
-        var key = pthread_key_t()
-        pthread_key_create(&key, nil)
-        return key
-    }()
 }

@@ -58,33 +58,6 @@ public enum StorageTelemetry {
     /// A failed try that will be tried again (after the backoff).
     nonisolated(unsafe) public static var onRetry: (@Sendable (StorageError) -> Void)? = nil
 
-    /// The try number of the operation running on this thread (RetryPolicy sets it, the HTTP
-    /// client reads it): a thread-local, since a try never leaves its thread.
-    static var attempt: Int {
-        get { Int(bitPattern: pthread_getspecific(attemptKey)) }
-        set { pthread_setspecific(attemptKey, UnsafeRawPointer(bitPattern: newValue)) }
-    }
-
-    /// Seconds from this thread's last request's start to its first byte, connection set-up
-    /// left out (`HTTPClient.firstByteDelay`): read-ahead learns from it how far away the
-    /// server is.
-    public static var lastFirstByte: Double {
-        get { Double(bitPattern: UInt64(UInt(bitPattern: pthread_getspecific(firstByteKey)))) }
-        set { pthread_setspecific(firstByteKey, UnsafeRawPointer(bitPattern: UInt(newValue.bitPattern))) }
-    }
-
-    private static let firstByteKey: pthread_key_t = {
-        var key = pthread_key_t()
-        pthread_key_create(&key, nil)
-        return key
-    }()
-
-    private static let attemptKey: pthread_key_t = {
-        var key = pthread_key_t()
-        pthread_key_create(&key, nil)
-        return key
-    }()
-
     /// `url` without its query or fragment, and without any user:password part.
     static func target(of url: String) -> String {
         let end = url.firstIndex(where: { $0 == "?" || $0 == "#" }) ?? url.endIndex

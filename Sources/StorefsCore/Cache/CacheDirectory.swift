@@ -1,4 +1,5 @@
 import Glibc
+internal import CBlockCache
 
 /// Every file-system access of the block cache, made relative to directory descriptors that
 /// were verified once: nothing under `cache_dir` is reached by a path another user could have
@@ -153,9 +154,16 @@ final class CacheDirectory: Sendable {
 
     static func fileName(_ hex: String) -> String { hex + ".blk" }
 
-    /// Opens the cache file of `hex` for reading and writing: nil unless it is a regular file of
-    /// ours with one link (anything else in its place is removed).
-    func openFile(_ hex: String) -> Int32? {
+    /// Opens the cache file of `hex` for reading and writing, holding a shared `flock` on it for
+    /// as long as the descriptor is open: other mounts of the cache remove or trim a file only
+    /// while nobody has it open (`removeFileIfUnused`, `openFile(_:tryAlone:)`). nil unless it
+    /// is a regular file of ours with one link (anything else in its place is removed), and
+    /// when it was removed while its lock was awaited.
+    func openFile(_ hex: String) -> Int32? { openFile(hex, tryAlone: false)?.fd }
+
+    /// `openFile`, trying first for the file alone: `alone` true when no other descriptor had
+    /// it open (nor has, until the caller calls `share`: it holds an exclusive lock meanwhile).
+    func openFile(_ hex: String, tryAlone: Bool) -> (fd: Int32, alone: Bool)? {
         guard let dir = shard(hex, create: false) else { return nil }
         defer { close(dir) }
         let name = Self.fileName(hex)
@@ -169,32 +177,79 @@ final class CacheDirectory: Sendable {
             unlinkat(dir, name, 0)
             return nil
         }
-        return fd
+        let alone = tryAlone && flock(fd, LOCK_EX | LOCK_NB) == 0
+        if !alone { Self.share(fd) }
+        // A remover holds the exclusive lock while it unlinks: the name may be gone by now.
+        guard isOwnRegularFile(fd) else {
+            close(fd)
+            return nil
+        }
+        return (fd, alone)
+    }
+
+    /// Holds a shared lock on an open cache file (after `openFile(_:tryAlone:)` found it alone,
+    /// or after `tryAlone(_:)`). Waits for an exclusive holder (a remover or trimmer: brief).
+    static func share(_ fd: Int32) {
+        while flock(fd, LOCK_SH) != 0 && errno == EINTR {}
+    }
+
+    /// Tries to have an open cache file alone (converting its shared lock): true when no other
+    /// descriptor has it open. A conversion that fails leaves no lock (flock(2)): the shared
+    /// one is taken again before returning false.
+    static func tryAlone(_ fd: Int32) -> Bool {
+        if flock(fd, LOCK_EX | LOCK_NB) == 0 { return true }
+        share(fd)
+        return false
+    }
+
+    /// The inode number of the cache file of `hex` now, nil when there is none (a mount of a
+    /// shared cache tells a file another mount removed, or replaced, from its own).
+    func identity(_ hex: String) -> ino_t? {
+        guard let dir = shard(hex, create: false) else { return nil }
+        defer { close(dir) }
+        var st = stat()
+        guard fstatat(dir, Self.fileName(hex), &st, AT_SYMLINK_NOFOLLOW) == 0, st.st_mode & S_IFMT == S_IFREG else { return nil }
+        return st.st_ino
+    }
+
+    enum Creation {
+        case created
+        /// Another process made it first (shared caches): open that one.
+        case exists
+        /// `outOfDescriptors`: the process (EMFILE) or the system (ENFILE) had no descriptor to
+        /// spare, which says nothing about the cache (BlockCache does not pause for it).
+        case failed(String, outOfDescriptors: Bool)
     }
 
     /// Writes a new cache file (`header`, then sized to `size`) under a temporary name and
-    /// renames it into place. Returns nil and a reason on failure.
-    /// `outOfDescriptors`: the process (EMFILE) or the system (ENFILE) had no descriptor to
-    /// spare, which says nothing about the cache (BlockCache does not pause for it).
-    func createFile(_ hex: String, header: [UInt8], size: Int64) -> (created: Bool, error: String?, outOfDescriptors: Bool) {
+    /// renames it into place, never over a file another process made meanwhile (`.exists`)
+    /// unless `replace` (a damaged one).
+    func createFile(_ hex: String, header: [UInt8], size: Int64, replace: Bool = false) -> Creation {
         guard let dir = shard(hex, create: true) else {
             let full = errno == EMFILE || errno == ENFILE
-            return (false, "cannot create the shard directory \(versionPath)/\(hex.prefix(2)): \(errnoText())", full)
+            return .failed("cannot create the shard directory \(versionPath)/\(hex.prefix(2)): \(errnoText())", outOfDescriptors: full)
         }
         defer { close(dir) }
         let final = Self.fileName(hex)
         let temp = "\(final).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
         let fd = openat(dir, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
-        guard fd >= 0 else { return (false, "cannot create a cache file: \(errnoText())", errno == EMFILE || errno == ENFILE) }
+        guard fd >= 0 else { return .failed("cannot create a cache file: \(errnoText())", outOfDescriptors: errno == EMFILE || errno == ENFILE) }
         defer { close(fd) }
         let ok = header.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } == header.count
             && ftruncate(fd, off_t(size)) == 0
-        guard ok, renameat(dir, temp, dir, final) == 0 else {
+        guard ok else {
             let why = errnoText()
             unlinkat(dir, temp, 0)
-            return (false, "cannot write a cache file: \(why)", false)
+            return .failed("cannot write a cache file: \(why)", outOfDescriptors: false)
         }
-        return (true, nil, false)
+        let renamed = replace ? renameat(dir, temp, dir, final) : cblockcache_rename_noreplace(dir, temp, dir, final)
+        guard renamed == 0 else {
+            let exists = errno == EEXIST
+            let why = errnoText()
+            unlinkat(dir, temp, 0)
+            return exists ? .exists : .failed("cannot write a cache file: \(why)", outOfDescriptors: false)
+        }
+        return .created
     }
 
     /// Removes the cache file of `hex` (the name only: a link is never followed).
@@ -204,12 +259,45 @@ final class CacheDirectory: Sendable {
         close(dir)
     }
 
+    /// Removes the cache file of `hex` if no descriptor has it open (in any mount) and
+    /// `isEmpty` says, with the file open and held exclusively, that it holds no block; true if
+    /// it went. An opener waiting meanwhile sees it gone (`openFile`).
+    func removeFileIfUnused(_ hex: String, isEmpty: (Int32) -> Bool) -> Bool {
+        guard let dir = shard(hex, create: false) else { return false }
+        defer { close(dir) }
+        let name = Self.fileName(hex)
+        let fd = openat(dir, name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+        guard fd >= 0 else { return errno == ENOENT }
+        defer { close(fd) }
+        guard isOwnRegularFile(fd), flock(fd, LOCK_EX | LOCK_NB) == 0, isEmpty(fd) else { return false }
+        return unlinkat(dir, name, 0) == 0
+    }
+
+    /// Every cache file now: `visit(hex, mtime in ns, inode)`. Nothing is removed or opened
+    /// (the eviction of a shared cache looks for files other mounts made).
+    func listFiles(_ visit: (String, Int64, ino_t) -> Void) {
+        for (name, type) in entries(of: versionFD) where name.utf8.count == 2 && name.utf8.allSatisfy(Self.isHex) {
+            guard type == DT_DIR || type == DT_UNKNOWN, let dir = shard(name + "00", create: false) else { continue }
+            defer { close(dir) }
+            for (file, _) in entries(of: dir) {
+                let utf8 = Array(file.utf8)
+                guard utf8.count == 68, file.hasSuffix(".blk"), utf8[0..<64].allSatisfy(Self.isHex), file.hasPrefix(name) else { continue }
+                var st = stat()
+                guard fstatat(dir, file, &st, AT_SYMLINK_NOFOLLOW) == 0, st.st_mode & S_IFMT == S_IFREG,
+                      st.st_uid == owner, st.st_nlink == 1 else { continue }
+                visit(String(file.prefix(64)), Int64(st.st_mtim.tv_sec) * 1_000_000_000 + Int64(st.st_mtim.tv_nsec), st.st_ino)
+            }
+        }
+    }
+
     /// Start-up scan: calls `visit(hex, fd, mtime)` for every regular cache file of ours (the
     /// descriptor is closed after the call); `visit` returns false for a file to be deleted.
     /// Everything else under the version directory — temp files of a crashed write, other
     /// versions' names, links, FIFOs, foreign files — is unlinked, never followed or opened
-    /// for I/O. Unknown sub-directories are left alone (and logged).
-    func scan(_ visit: (String, Int32, Int) -> Bool) {
+    /// for I/O. Unknown sub-directories are left alone (and logged). With
+    /// `keepRecentTemporaries` (other mounts share the cache), a temporary file younger than
+    /// `temporaryAge` is left: another mount may be about to rename it into place.
+    func scan(keepRecentTemporaries: Bool = false, _ visit: (String, Int32, Int64) -> Bool) {
         for (name, type) in entries(of: versionFD) where name != ".lock" {
             guard name.utf8.count == 2, name.utf8.allSatisfy(Self.isHex) else {
                 if type == DT_DIR {
@@ -229,6 +317,7 @@ final class CacheDirectory: Sendable {
                 let hex = String(file.prefix(64))
                 guard utf8.count == 68, file.hasSuffix(".blk"), utf8[0..<64].allSatisfy(Self.isHex),
                       hex.hasPrefix(name) else {
+                    if keepRecentTemporaries, file.contains(".blk.tmp"), isRecent(dir, file) { continue }
                     unlinkat(dir, file, 0)
                     continue
                 }
@@ -238,11 +327,22 @@ final class CacheDirectory: Sendable {
                     continue
                 }
                 var st = stat()
-                let keep = isOwnRegularFile(fd) && fstat(fd, &st) == 0 && visit(hex, fd, st.st_mtim.tv_sec)
+                let keep = isOwnRegularFile(fd) && fstat(fd, &st) == 0
+                    && visit(hex, fd, Int64(st.st_mtim.tv_sec) * 1_000_000_000 + Int64(st.st_mtim.tv_nsec))
                 close(fd)
                 if !keep { unlinkat(dir, file, 0) }
             }
         }
+    }
+
+    /// How long a temporary file of a creation under way may live (a creation takes
+    /// milliseconds; one older is a killed process's).
+    static let temporaryAge: Int = 600
+
+    private func isRecent(_ dir: Int32, _ name: String) -> Bool {
+        var st = stat()
+        guard fstatat(dir, name, &st, AT_SYMLINK_NOFOLLOW) == 0 else { return false }
+        return Int(time(nil)) - Int(st.st_mtim.tv_sec) < Self.temporaryAge
     }
 
     private static func isHex(_ b: UInt8) -> Bool {
@@ -309,9 +409,46 @@ final class CacheDirectory: Sendable {
         return true
     }
 
-    /// Removes temporary files a crashed `replacePlainFile` left.
-    func removeTemporaryPlainFiles() {
-        for (name, _) in entries(of: versionFD) where name.contains(".tmp") { unlinkat(versionFD, name, 0) }
+    /// A new file under the version directory, opened read-write, with a temporary name of
+    /// its own (`name.tmpPID-RANDOM`, which `removeTemporaryPlainFiles` clears after a crash).
+    /// `commitTemporary` renames it into place; `unlinked` removes the name at once (a scratch
+    /// file nobody else can open, gone when closed). nil and errno on failure.
+    func createTemporary(for name: String, unlinked: Bool = false) -> (fd: Int32, name: String)? {
+        let temp = "\(name).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
+        let fd = openat(versionFD, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        guard fd >= 0 else { return nil }
+        if unlinked { unlinkat(versionFD, temp, 0) }
+        return (fd, temp)
+    }
+
+    /// Renames a file made by `createTemporary` to `name` (replacing what was there).
+    func commitTemporary(_ temp: String, as name: String) -> Bool {
+        renameat(versionFD, temp, versionFD, name) == 0
+    }
+
+    /// Removes `name` directly under the version directory (the name only).
+    func removePlainFile(_ name: String) {
+        unlinkat(versionFD, name, 0)
+    }
+
+    /// Regular files directly under the version directory whose names end in `suffix`, with
+    /// their modification times (seconds).
+    func plainFiles(endingWith suffix: String) -> [(name: String, mtime: Int)] {
+        entries(of: versionFD).compactMap { name, _ in
+            guard name.hasSuffix(suffix) else { return nil }
+            var st = stat()
+            guard fstatat(versionFD, name, &st, AT_SYMLINK_NOFOLLOW) == 0, st.st_mode & S_IFMT == S_IFREG else { return nil }
+            return (name, st.st_mtim.tv_sec)
+        }
+    }
+
+    /// Removes temporary files a crashed `replacePlainFile` left: all of them (`all`, nobody
+    /// else uses the directory), else those older than `temporaryAge` (another mount may be
+    /// writing one now).
+    func removeTemporaryPlainFiles(all: Bool = true) {
+        for (name, _) in entries(of: versionFD) where name.contains(".tmp") && (all || !isRecent(versionFD, name)) {
+            unlinkat(versionFD, name, 0)
+        }
     }
 
     private func isOwnRegularFile(_ fd: Int32) -> Bool {

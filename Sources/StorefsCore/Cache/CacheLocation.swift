@@ -5,6 +5,12 @@ public enum CacheLocation {
     /// `/var/cache/storefs` for root, else `$XDG_CACHE_HOME/storefs` or `~/.cache/storefs`
     /// (home from `HOME`, else the password database). nil when there is no home: never a
     /// guessable shared place such as `/tmp`, where another user could be there first.
+    ///
+    /// One cache per user, shared by every mount of that user (docs/cache.md): files are keyed
+    /// by endpoint, bucket, object name and generation, so mounts of different sources keep
+    /// apart within it, and mounts of one bucket (other mount points, other prefixes) share
+    /// what they read. Versions before it kept a cache per source, in a subdirectory named by
+    /// a hash of endpoint, bucket and prefix; `storefs cache status|clear` still find those.
     public static func defaultDirectory(environment: [String: String]) -> String? {
         if geteuid() == 0 { return "/var/cache/storefs" }
         if let xdg = environment["XDG_CACHE_HOME"], xdg.hasPrefix("/") { return xdg + "/storefs" }
@@ -19,14 +25,6 @@ public enum CacheLocation {
         guard getpwuid_r(geteuid(), &pw, &buffer, buffer.count, &result) == 0, result != nil, let dir = pw.pw_dir else { return nil }
         let home = String(cString: dir)
         return home.hasPrefix("/") && home != "/" ? home : nil
-    }
-
-    /// The default cache of one mount source: a subdirectory of `defaultDirectory` named by a
-    /// hash of endpoint, bucket and prefix, so that mounts of different sources never share one.
-    public static func defaultDirectory(environment: [String: String], endpoint: String, bucket: String, prefix: String) -> String? {
-        let key = Array("\(endpoint)\u{0}\(bucket)\u{0}\(prefix)".utf8)
-        guard let base = defaultDirectory(environment: environment) else { return nil }
-        return base + "/" + BlockCache.hex(Checksum.sha256(key)).prefix(16)
     }
 
     /// 10 GiB, or half of the free space of the file system holding `directory` if that is

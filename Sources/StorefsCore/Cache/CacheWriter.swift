@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Synchronization
 
@@ -23,14 +24,17 @@ public enum CacheWrites: String, Sendable {
 final class CacheWriter: @unchecked Sendable {
     let maxBacklog: Int64
     private var backlog: Int64 = 0
-    private let room = NSCondition()
-    private let pool = Mutex<WorkerPool?>(nil)
+    private let room = OrderedCondition(.cacheWriterRoom)
+    /// The one thread that writes (`WorkerPools.cacheWrites`).
+    private let thread: WorkerPool
     private let skippedBytes = Atomic<Int64>(0)
     private let queuedBytes = Atomic<Int64>(0)
     private let warned = Atomic<Bool>(false)
 
-    init(maxBacklog: Int64) {
+    /// `pool`: its thread (one); by default one of its own (tests).
+    init(maxBacklog: Int64, pool: WorkerPool = WorkerPool(threads: 1, name: "storefs-cachewrite")) {
         self.maxBacklog = maxBacklog
+        self.thread = pool
     }
 
     /// Queues `job`, a cache write of `bytes`, waiting at most `patience` seconds for room;
@@ -73,15 +77,6 @@ final class CacheWriter: @unchecked Sendable {
 
     /// Waits until every queued write is done, at most `timeout` seconds; false on time-out.
     func drain(timeout: Double) -> Bool {
-        guard let pool = pool.withLock({ $0 }) else { return true }
-        return pool.drain(timeout: timeout)
-    }
-
-    /// The thread starts on first use, after the daemon has forked.
-    private var thread: WorkerPool {
-        pool.withLock { p in
-            if p == nil { p = WorkerPool(threads: 1, name: "storefs-cachewrite") }
-            return p!
-        }
+        thread.drain(timeout: timeout)
     }
 }

@@ -1,4 +1,5 @@
 internal import CBlockCache
+internal import CChecksum
 import Foundation
 
 /// CRC32C for cached blocks (hardware instruction where available) and SHA-256 for cache keys.
@@ -9,13 +10,13 @@ enum Checksum {
 
     /// The table-driven software CRC (what CPUs without SSE4.2 use); tests compare the two.
     static func crc32cPortable(_ bytes: UnsafeRawBufferPointer) -> UInt32 {
-        cblockcache_crc32c_portable(0, bytes.baseAddress, bytes.count)
+        cchecksum_crc32c_portable(0, bytes.baseAddress, bytes.count)
     }
 
     /// The CRC32C of consecutive blocks, from the blocks' own CRC32Cs (crc32c_combine): every
     /// block `blockLength` long but the last, `lastLength`.
     static func crc32c(combining crcs: [UInt32], blockLength: Int, lastLength: Int) -> UInt32 {
-        crcs.withUnsafeBufferPointer { cblockcache_crc32c_combine($0.baseAddress, $0.count, blockLength, lastLength) }
+        crcs.withUnsafeBufferPointer { cchecksum_crc32c_combine($0.baseAddress, $0.count, blockLength, lastLength) }
     }
 
     /// An object's `crc32c` as the APIs give it: base64 of the 4 big-endian bytes.

@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import StorageClient
@@ -23,7 +24,7 @@ public enum Network: Sendable {
 /// has left, the work is cancelled and the caller's check (which may read a FUSE request freed
 /// by the caller's reply) is never called again.
 final class CallerCancellation: @unchecked Sendable {
-    private let lock = NSLock()
+    private let lock = OrderedLock(.callerCancellation)
     private var left = false
     private var detached = false
     private let isCancelled: (@Sendable () -> Bool)?
@@ -60,7 +61,7 @@ final class CallerCancellation: @unchecked Sendable {
 /// Each landing wakes the waiter, which decides whether it has an answer yet
 /// (docs/architecture.md, "Lookups in one round trip").
 final class LookupRace: @unchecked Sendable {
-    private let condition = NSCondition()
+    private let condition = OrderedCondition(.lookupRace)
     private var metadata: Result<ObjectMetadata, StorageError>?
     private var hasChildren: Result<Bool, StorageError>?
     private var events = 0

@@ -93,6 +93,13 @@ public struct FileRecord: Sendable, Equatable {
         self.symlink = symlink
     }
 
+    /// A record with the crc32c as its value (a manifest index keeps it so).
+    init(size: Int64, generation: Int64, modified: Timestamp, crc32cValue: UInt32?) {
+        self.init(size: size, generation: generation, modified: modified)
+        crcValue = crc32cValue ?? 0
+        hasCRC = crc32cValue != nil
+    }
+
     public init(_ meta: ObjectMetadata) {
         let custom = meta.custom
         // The mode may be written with its file-type bits (`100755`) or without (`755`).

@@ -1,25 +1,26 @@
 import StorageClient
 
 /// Directories: listings (fetched once, shared by every handle, cached for `list_ttl`),
-/// readdir, readdirplus, listing ahead, and the sizes Firebase v0 listings leave out.
+/// readdir, readdirplus, listing ahead, and the sizes Firebase v0 listings leave out. Over
+/// 500 lines because a listing's life (fetched page by page, shared by handles, cached,
+/// listed ahead) is one piece of state each of these steps reads and changes.
 extension Filesystem {
     /// Opens a directory: from its cached listing when fresh, else as its listing arrives
-    /// (docs/architecture.md, "Listings as they arrive"). `whenOpen` gets the handle exactly
-    /// once, as soon as readdir can start: at once for a cached listing or one already under
-    /// way, after the first page for one this call fetches; the call then goes on fetching the
-    /// rest on this thread and returns when the listing is whole. It throws only before
-    /// `whenOpen` (a failure later reaches the handle's readdir). A listing is shared, never
-    /// copied, by every handle on it: a local user opening a directory many times costs one
-    /// listing.
-    public func openDirectory(_ inode: UInt64, network: Network = .allowed,
-                              whenOpen: (UInt64) -> Void) throws(FilesystemError) {
+    /// (docs/architecture.md, "Listings as they arrive"). It returns as soon as readdir can
+    /// start: at once for a cached listing or one already under way, after the first page for
+    /// one this call fetches, whose other pages the returned value fetches when the caller
+    /// finishes it (the adapter does, on the same worker, once it has replied). It throws only
+    /// before it returns (a failure later reaches the handle's readdir). A listing is shared,
+    /// never copied, by every handle on it: a local user opening a directory many times costs
+    /// one listing.
+    public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> OpenedDirectory {
         let path = try directoryPath(inode)
+        if let handle = try manifestDirectoryHandle(path, inode) { return OpenedDirectory(handle: handle) }
         var cached = freshSnapshot(path)
         if cached == nil, health.outage != nil { cached = try fullListing(path, network: network) }
         if let snapshot = cached {
             prefetchListings(under: path, snapshot.listing)
-            whenOpen(addDirectoryHandle(path, inode, .snapshot(snapshot)))
-            return
+            return OpenedDirectory(handle: addDirectoryHandle(path, inode, .snapshot(snapshot)))
         }
         let dir = ByteName(path)
         guard case .allowed(let isCancelled) = network else {
@@ -27,7 +28,7 @@ extension Filesystem {
             guard let running = listingFlights.withLock({ $0[dir] }), running.hasStarted else {
                 throw FilesystemError(.wouldBlock, "listing \(path) needs the bucket")
             }
-            return attach(running, path, inode, whenOpen)
+            return OpenedDirectory(handle: attach(running, path, inode))
         }
         let (stream, mine) = listingFlights.withLock { f -> (ListingStream, Bool) in
             if let running = f[dir] { return (running, false) }
@@ -39,42 +40,52 @@ extension Filesystem {
             guard try stream.waitForStart(isCancelled: isCancelled) else {
                 throw FilesystemError(.storage(.cancelled), "listing of \(path) interrupted")
             }
-            return attach(stream, path, inode, whenOpen)
+            return OpenedDirectory(handle: attach(stream, path, inode))
         }
         // This call fetches. The opener's interruption may end the listing until it has its
         // handle; after that its request is answered, and the listing goes on for the handle.
         let caller = CallerCancellation(isCancelled)
-        var opened = false
-        let result = withoutActuallyEscaping(whenOpen) { whenOpen in
-            runListing(path, stream, isCancelled: caller.check) { [self] in
-                opened = true
-                caller.detach()
-                _ = stream.listChildrenWhenDone()
-                whenOpen(addDirectoryHandle(path, inode, .stream(stream)))
+        let fetch: ListingFetch
+        do throws(FilesystemError) {
+            fetch = try ListingFetch(self, path, into: stream, isCancelled: caller.check)
+            let whole: ListingSnapshot?
+            do throws(FilesystemError) {
+                whole = try fetch.nextPage() ? fetch.keep() : nil
+            } catch {
+                whole = try fetch.recover(from: error)
             }
+            if let whole {
+                let snapshot = try endListing(path, stream, .success(whole))
+                return OpenedDirectory(handle: addDirectoryHandle(path, inode, .snapshot(snapshot)))
+            }
+        } catch {
+            _ = try? endListing(path, stream, .failure(error))
+            throw error
         }
-        if !opened {
-            let snapshot = try result.get()
-            prefetchListings(under: path, snapshot.listing)
-            whenOpen(addDirectoryHandle(path, inode, .snapshot(snapshot)))
+        caller.detach()
+        _ = stream.listChildrenWhenDone()
+        let handle = addDirectoryHandle(path, inode, .stream(stream))
+        return OpenedDirectory(handle: handle) { [self] in
+            _ = try? endListing(path, stream, Result { () throws(FilesystemError) in try fetch.rest() })
         }
     }
 
     /// Opens a directory whose listing is whole when this returns (tests, tools).
-    public func openDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
-        var handle: UInt64 = 0
-        try openDirectory(inode, network: network) { handle = $0 }
+    public func openListedDirectory(_ inode: UInt64, network: Network = .allowed) throws(FilesystemError) -> UInt64 {
+        let opened: OpenedDirectory = try openDirectory(inode, network: network)
+        let handle = opened.handle
+        opened.finishListing()
         if case .directory(_, _, .stream(let stream))? = handles.withLock({ $0.open[handle] }) { _ = stream.wait() }
         return handle
     }
 
-    private func attach(_ stream: ListingStream, _ path: String, _ inode: UInt64, _ whenOpen: (UInt64) -> Void) {
+    private func attach(_ stream: ListingStream, _ path: String, _ inode: UInt64) -> UInt64 {
         if let snapshot = stream.snapshot {
             prefetchListings(under: path, snapshot.listing)
-            return whenOpen(addDirectoryHandle(path, inode, .snapshot(snapshot)))
+            return addDirectoryHandle(path, inode, .snapshot(snapshot))
         }
         if stream.listChildrenWhenDone(), let snapshot = stream.snapshot { prefetchListings(under: path, snapshot.listing) }
-        whenOpen(addDirectoryHandle(path, inode, .stream(stream)))
+        return addDirectoryHandle(path, inode, .stream(stream))
     }
 
     private func addDirectoryHandle(_ path: String, _ inode: UInt64, _ source: DirectorySource) -> UInt64 {
@@ -102,6 +113,8 @@ extension Filesystem {
                 let n = min(names.count - from, max(0, wanted - max(0, 2 - start)))
                 listed = (from..<(from + n)).map { (names[$0], snapshot.listing.entries[$0]) }
             }
+        case .manifest(let dir):
+            listed = try dir.entries(from: max(0, start - 2), limit: max(0, wanted - max(0, 2 - start)))
         case .stream(let stream):
             let dots = max(0, 2 - start)
             if wanted > dots {
@@ -237,20 +250,25 @@ extension Filesystem {
             }
             return try shared.get()
         }
-        return try runListing(dirPath, flight, isCancelled: isCancelled, firstPage: nil).get()
+        return try runListing(dirPath, flight, isCancelled: isCancelled).get()
     }
 
-    /// Fetches a listing into its `stream` (registered in `listingFlights` by the caller),
-    /// calling `firstPage` once the first page is in it, then ends the flight.
-    func runListing(_ dirPath: String, _ stream: ListingStream, isCancelled: (@Sendable () -> Bool)?,
-                    firstPage: (() -> Void)?) -> Result<ListingSnapshot, FilesystemError> {
-        let result: Result<ListingSnapshot, FilesystemError>
-        do throws(FilesystemError) {
-            result = .success(try fetchListing(dirPath, isCancelled: isCancelled, into: stream, firstPage: firstPage))
-        } catch { result = .failure(error) }
+    /// Fetches a listing into its `stream` (registered in `listingFlights` by the caller), then
+    /// ends the flight.
+    func runListing(_ dirPath: String, _ stream: ListingStream,
+                    isCancelled: (@Sendable () -> Bool)?) -> Result<ListingSnapshot, FilesystemError> {
+        let result = Result { () throws(FilesystemError) in try ListingFetch(self, dirPath, into: stream, isCancelled: isCancelled).rest() }
+        return Result { () throws(FilesystemError) in try endListing(dirPath, stream, result) }
+    }
+
+    /// A listing this process fetched has ended: its flight goes, its stream's readers get the
+    /// outcome, and its sub-directories are listed ahead. Returns the outcome.
+    @discardableResult
+    func endListing(_ dirPath: String, _ stream: ListingStream,
+                    _ result: Result<ListingSnapshot, FilesystemError>) throws(FilesystemError) -> ListingSnapshot {
         listingFlights.withLock { _ = $0.removeValue(forKey: ByteName(dirPath)) }
         if stream.finish(result), case .success(let snapshot) = result { prefetchListings(under: dirPath, snapshot.listing) }
-        return result
+        return try result.get()
     }
 
     /// After a directory is opened, its sub-directories are listed ahead on a few threads of
@@ -273,61 +291,13 @@ extension Filesystem {
         }
     }
 
-    var listingPool: WorkerPool {
-        listingPoolSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 4, name: "storefs-list") }
-            return p!
-        }
-    }
+    /// Listings ahead (`WorkerPools.listing`).
+    var listingPool: WorkerPool { reader.pools.listing }
 
     /// All pages of a directory. `isCancelled` is the caller's: an interrupted `ls` ends the
     /// listing (others waiting on it then get the interruption too and ask again).
-    func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?, into stream: ListingStream? = nil,
-                      firstPage: (() -> Void)? = nil) throws(FilesystemError) -> ListingSnapshot {
-        let prefix = listingPrefix(of: dirPath)
-        // During an outage one operation at a time asks (BucketHealth).
-        let asking = try admitted()
-        defer { asking?.end() }
-        let started = now()
-        let stream = stream ?? ListingStream(prefix: prefix)
-        var token: String? = nil
-        var seenTokens = Set<String>()
-        var entries = 0
-        var pages = 0
-        defer { listingEntriesInFlight.subtract(entries, ordering: .relaxed) }
-        do throws(StorageError) {
-            repeat {
-                let page = try store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
-                let added = page.items.count + page.prefixes.count
-                entries += added
-                let inFlight = listingEntriesInFlight.add(added, ordering: .relaxed).newValue
-                token = page.nextPageToken
-                stream.add(page, last: token == nil)
-                if pages == 0 { firstPage?() }
-                pages += 1
-                // A hostile or broken server must not hold `ls` forever, nor fill memory.
-                if let t = token, !seenTokens.insert(t).inserted {
-                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): the server repeated a page token (the listing loops)")
-                }
-                if entries > config.listingEntryLimit {
-                    throw StorageError(.invalidResponse, "list gs://\(reference.bucket)/\(prefix): more than \(config.listingEntryLimit) entries in one directory")
-                }
-                if inFlight > config.listingEntriesInFlightLimit {
-                    throw StorageError(.invalidResponse,
-                                       "list gs://\(reference.bucket)/\(prefix): the listings being fetched at once hold more than \(config.listingEntriesInFlightLimit) entries")
-                }
-            } while token != nil
-            health.noteSuccess()
-        } catch {
-            health.note(error)
-            if Self.isOutage(error.code), let old = listings.withLock({ $0.last(ByteName(dirPath)) }) {
-                Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
-                return old
-            }
-            Log.warn("listing failed", ["op": "readdir", "prefix": prefix, "error": error.message])
-            throw FilesystemError(error)
-        }
-        return keepListing(dirPath, stream.listing(), fetched: started)
+    func fetchListing(_ dirPath: String, isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) -> ListingSnapshot {
+        try ListingFetch(self, dirPath, into: ListingStream(prefix: listingPrefix(of: dirPath)), isCancelled: isCancelled).rest()
     }
 
     /// A whole listing just fetched: logged shadows, cached for list_ttl (unless a newer one
@@ -370,7 +340,7 @@ extension Filesystem {
         // Beside a lookup, the page takes the warm connection now, before the lookup's probes
         // (sent next) can: they open connections of their own, and on a new mount the page,
         // which alone answers for every name it reaches, does not wait for a set-up.
-        let claim = race == nil ? nil : store.claimIdleConnection()
+        let claim = race == nil ? nil : (store as? any ConnectionTuning)?.claimIdleConnection()
         probePool.submit { [self] in
             let started = now()
             var kept: FirstPageCache.Page? = nil
@@ -379,9 +349,8 @@ extension Filesystem {
                 race?.pageLanded()
             }
             // No caller waits for it: a failure only means the next lookup asks for itself.
-            guard let page = try? ConnectionClaim.run(claim, { () throws(StorageError) in
-                try store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil)
-            }) else { return }
+            guard let page = try? store.list(prefix: listingPrefix(of: dirPath), pageToken: nil, isCancelled: nil,
+                                             connection: claim) else { return }
             kept = firstPage(dirPath, page, fetched: started)
         }
         return true
@@ -473,23 +442,154 @@ extension Filesystem {
 /// arrives.
 typealias ListingFlight = ListingStream
 
-/// What an open directory handle reads: a whole listing, or one still arriving.
+/// What an open directory handle reads: a whole listing, one still arriving, or a
+/// directory of the manifest's index.
 enum DirectorySource: Sendable {
     case snapshot(ListingSnapshot)
     case stream(ListingStream)
+    case manifest(ManifestDirectory)
 
     func entry(at index: Int) -> (String, DirectoryListing.Entry)? {
         switch self {
         case .snapshot(let s): return index < s.listing.count ? (s.listing.names[index], s.listing.entries[index]) : nil
         case .stream(let st): return st.entry(at: index)
+        case .manifest(let dir): return dir.entry(at: index)
         }
     }
 
-    /// When the listing's first page was asked for (nil while it is arriving).
+    /// When the listing's first page was asked for (nil while it is arriving; for the
+    /// manifest, never too long ago: it does not expire).
     var fetched: Double? {
         switch self {
         case .snapshot(let s): return s.fetched
         case .stream(let st): return st.snapshot?.fetched
+        case .manifest: return .infinity
         }
+    }
+}
+
+/// What `openDirectory` returns: the handle readdir reads, and, for a listing the opener
+/// fetches, the rest of its pages, fetched when the caller finishes it (after its reply, on
+/// its thread). Dropped unfinished, it finishes as it goes: a listing is never left half done.
+public struct OpenedDirectory: ~Copyable {
+    public let handle: UInt64
+    private let rest: ListingRest?
+
+    init(handle: UInt64, rest: (@Sendable () -> Void)? = nil) {
+        self.handle = handle
+        self.rest = rest.map(ListingRest.init)
+    }
+
+    /// Fetches the rest of the listing (nothing when it was whole already).
+    public consuming func finishListing() {}
+
+    deinit { rest?.run() }
+}
+
+/// The rest of a listing, run once.
+private final class ListingRest: @unchecked Sendable {
+    private var work: (@Sendable () -> Void)?
+
+    init(_ work: @escaping @Sendable () -> Void) { self.work = work }
+
+    func run() {
+        let w = work
+        work = nil
+        w?()
+    }
+}
+
+/// One directory's listing fetched page by page into its stream: the pages are bounded (a
+/// server that loops, or sends more than `listingEntryLimit` entries, or more than all
+/// listings together may hold, is refused), the bucket's health hears of it, and the whole
+/// listing is kept (`keepListing`). During an outage one operation at a time asks
+/// (`BucketHealth`): the fetch holds that turn until it ends.
+final class ListingFetch: @unchecked Sendable {
+    private let fs: Filesystem
+    private let dirPath: String
+    private let prefix: String
+    private let stream: ListingStream
+    private let isCancelled: (@Sendable () -> Bool)?
+    private let asking: BucketHealth.Probe?
+    private let started = now()
+    private var token: String? = nil
+    private var seenTokens = Set<String>()
+    private var entries = 0
+    private var pages = 0
+
+    init(_ fs: Filesystem, _ dirPath: String, into stream: ListingStream,
+         isCancelled: (@Sendable () -> Bool)?) throws(FilesystemError) {
+        self.fs = fs
+        self.dirPath = dirPath
+        self.prefix = fs.listingPrefix(of: dirPath)
+        self.stream = stream
+        self.isCancelled = isCancelled
+        asking = try fs.admitted()
+    }
+
+    deinit {
+        fs.listingEntriesInFlight.subtract(entries, ordering: .relaxed)
+        asking?.end()
+    }
+
+    /// Fetches the next page into the stream: true when it was the last.
+    func nextPage() throws(FilesystemError) -> Bool {
+        do throws(StorageError) {
+            let page = try fs.store.list(prefix: prefix, pageToken: token, isCancelled: isCancelled)
+            let added = page.items.count + page.prefixes.count
+            entries += added
+            let inFlight = fs.listingEntriesInFlight.add(added, ordering: .relaxed).newValue
+            token = page.nextPageToken
+            stream.add(page, last: token == nil)
+            pages += 1
+            // A hostile or broken server must not hold `ls` forever, nor fill memory.
+            if let t = token, !seenTokens.insert(t).inserted {
+                throw StorageError(.invalidResponse, "list gs://\(fs.reference.bucket)/\(prefix): the server repeated a page token (the listing loops)")
+            }
+            if entries > fs.config.listingEntryLimit {
+                throw StorageError(.invalidResponse, "list gs://\(fs.reference.bucket)/\(prefix): more than \(fs.config.listingEntryLimit) entries in one directory")
+            }
+            if inFlight > fs.config.listingEntriesInFlightLimit {
+                throw StorageError(.invalidResponse,
+                                   "list gs://\(fs.reference.bucket)/\(prefix): the listings being fetched at once hold more than \(fs.config.listingEntriesInFlightLimit) entries")
+            }
+            return token == nil
+        } catch {
+            throw failed(error)
+        }
+    }
+
+    /// Fetches every page left and keeps the listing; during an outage an expired listing of
+    /// the directory answers instead of an error.
+    func rest() throws(FilesystemError) -> ListingSnapshot {
+        do throws(FilesystemError) {
+            while pages == 0 || token != nil {
+                if try nextPage() { break }
+            }
+        } catch {
+            return try recover(from: error)
+        }
+        return keep()
+    }
+
+    /// A page failed: while the bucket is unreachable an expired listing of the directory
+    /// answers, if there is one; otherwise the error stands.
+    func recover(from error: FilesystemError) throws(FilesystemError) -> ListingSnapshot {
+        guard case .storage(let code) = error.code, Filesystem.isOutage(code),
+              let old = fs.listings.withLock({ $0.last(ByteName(dirPath)) }) else { throw error }
+        Log.info("op=readdir prefix=\(prefix) answering from an expired listing: \(error.message)")
+        return old
+    }
+
+    /// The listing is whole: kept and returned.
+    func keep() -> ListingSnapshot {
+        fs.health.noteSuccess()
+        return fs.keepListing(dirPath, stream.listing(), fetched: started)
+    }
+
+    private func failed(_ error: StorageError) -> FilesystemError {
+        fs.health.note(error)
+        Log.warn("listing failed", ["op": "readdir", "prefix": prefix, "error": error.message])
+        return FilesystemError(error)
     }
 }

@@ -41,25 +41,6 @@ extension Filesystem {
         return OpenResult(handle: handle, keepCache: keep && !stream.everServedWrong)
     }
 
-    /// Serves a read only if every byte is in the block cache (no network): for the FUSE thread.
-    /// nil means "call `read` from a worker"; `read` then knows the read was already noted.
-    /// `send`, when given, may be handed the bytes in a download's buffer instead of their
-    /// being copied into `buffer`: it must reply from them before it returns.
-    public func readCached(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                           send: ((UnsafeRawBufferPointer) -> Void)? = nil) throws(FilesystemError) -> Int? {
-        let file = try openFile(handle)
-        guard let window = try clamp(file.meta, offset, buffer) else { return 0 }
-        // Counted before a reply goes out (`send` replies).
-        let counted = send.map { send in { (bytes: UnsafeRawBufferPointer) in
-            Metrics.shared.cacheRead(hit: true, bytes: bytes.count)
-            send(bytes)
-        } }
-        var sent = false
-        guard reader.readCached(file.stream, at: offset, into: window, send: counted, sent: &sent) else { return nil }
-        if !sent { Metrics.shared.cacheRead(hit: true, bytes: window.count) }
-        return window.count
-    }
-
     func openFile(_ handle: UInt64) throws(FilesystemError) -> OpenFile {
         guard case .file(let file)? = handles.withLock({ $0.open[handle] }) else {
             throw FilesystemError(.staleHandle, "unknown file handle \(handle)")
@@ -75,31 +56,26 @@ extension Filesystem {
         return UnsafeMutableRawBufferPointer(rebasing: buffer[0..<count])
     }
 
-    /// Reads up to `buffer.count` bytes at `offset` of an open file into `buffer`; returns the
-    /// count (0 at or past the end). Blocks on the network on a miss: call from a worker.
-    /// `afterReply`, when given, collects work (the cache copy of a download) that the caller
-    /// runs once it has replied, on the same thread: no hand-off in front of the reply or after it.
-    /// `send`, as for `readCached`, may be handed the bytes in a download's buffer instead of
-    /// their being copied into `buffer`; `sent` says whether it was.
+    /// Reads up to `buffer.count` bytes at `offset` of an open file: the read path's one entry
+    /// point (`BlockReader.read`). With `Network.never` (a FUSE thread) only what is here
+    /// serves it, and a miss answers `.miss` at once; with `.allowed` (a thread that may wait)
+    /// missing bytes are downloaded and the answer is always `.reply`. A reply at or past the
+    /// end of the file holds no bytes. The caller replies with its bytes, then finishes it.
     public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                     alreadyNoted: Bool = false, isCancelled: (@Sendable () -> Bool)? = nil,
-                     afterReply: AfterReply? = nil) throws(FilesystemError) -> Int {
-        var sent = false
-        return try read(handle, at: offset, into: buffer, alreadyNoted: alreadyNoted, isCancelled: isCancelled,
-                        afterReply: afterReply, send: nil, sent: &sent)
-    }
-
-    public func read(_ handle: UInt64, at offset: Int64, into buffer: UnsafeMutableRawBufferPointer,
-                     alreadyNoted: Bool, isCancelled: (@Sendable () -> Bool)?, afterReply: AfterReply?,
-                     send: ((UnsafeRawBufferPointer) -> Void)?, sent: inout Bool) throws(FilesystemError) -> Int {
+                     network: Network) throws(FilesystemError) -> ReadAnswer {
         let file = try openFile(handle)
         let meta = file.meta
-        guard let window = try clamp(meta, offset, buffer) else { return 0 }
-        // Counted before a reply goes out (`send` replies).
-        Metrics.shared.cacheRead(hit: false, bytes: window.count)
+        guard let window = try clamp(meta, offset, buffer) else { return .reply(.empty) }
         do throws(StorageError) {
-            try reader.read(file.stream, at: offset, into: window, observed: alreadyNoted, isCancelled: isCancelled,
-                            afterReply: afterReply, send: send, sent: &sent)
+            let answer = try reader.read(file.stream, at: offset, into: window, network: network)
+            // Counted before the caller replies: whoever reads the stats after its read returned
+            // finds it counted.
+            if case .never = network {
+                if answer.isReply { Metrics.shared.cacheRead(hit: true, bytes: window.count) }
+            } else {
+                Metrics.shared.cacheRead(hit: false, bytes: window.count)
+            }
+            return answer
         } catch {
             if error.code == .generationChanged || error.code == .notFound {
                 // The object was replaced or deleted: this handle keeps failing (it never mixes
@@ -110,15 +86,15 @@ extension Filesystem {
             }
             if error.code == .cancelled {
                 Log.debug("op=read object=\(meta.name) offset=\(offset) interrupted")
+            } else if let manifest, error.code == .generationChanged || error.code == .notFound {
+                manifest.noteGone(meta.name, generation: meta.generation)  // once per object
             } else {
                 Log.warn("read failed", ["op": "read", "object": meta.name, "gen": String(meta.generation),
                                          "offset": String(offset), "error": error.message])
             }
             throw FilesystemError(error)
         }
-        return window.count
     }
-
 
     /// The target of a symbolic link (gcsfuse's two forms, `FileRecord.SymlinkStyle`): from
     /// the object's custom metadata, or its bytes (at most 4096: PATH_MAX).

@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import Glibc
 import StorageClient
@@ -8,7 +9,7 @@ import Synchronization
 /// The FUSE adapter calls these methods with inode and handle numbers and turns the answers
 /// (or `FilesystemError`s, through `Errno`) into replies. Paths here are relative to the mount
 /// root; `objectName(of:)` adds the mounted prefix. The state is split along what it owns,
-/// one `Mutex` each, every one bounded (docs/architecture.md, "Metadata memory"):
+/// one lock each (its level in the lock order), every one bounded (docs/architecture.md, "Metadata memory"):
 ///
 /// - `InodeTable` (this file): the inodes the kernel references, ~100 bytes each;
 /// - `MetadataCache` (this file): what the bucket said about paths the kernel forgot, and
@@ -81,34 +82,33 @@ public final class Filesystem: Sendable {
     let reader: BlockReader
     /// Shared with the read path: an outage found by either is known to both.
     var health: BucketHealth { reader.health }
-    /// The server answers within a few milliseconds (`TransferPlan.isNear`): a read that misses
-    /// the cache waits about that long, so the adapter serves it on the thread that received it.
-    public var serverIsNear: Bool { reader.transfers.isNear }
     let mountTime: Timestamp
 
-    let table = Mutex(InodeTable())
+    let table = OrderedMutex(.inodeTable, InodeTable())
     // Tables keyed by paths use ByteName: names are compared as bytes, never as Unicode.
-    let known: Mutex<MetadataCache>
-    let listings: Mutex<ListingCache>
-    let fullMetadata = Mutex(FullMetadataCache(capacity: 4096))
-    let handles = Mutex(Handles())
-    let shadowLogged = Mutex(Set<ByteName>())
-    let listingFlights = Mutex([ByteName: ListingFlight]())
+    let known: OrderedMutex<MetadataCache>
+    let listings: OrderedMutex<ListingCache>
+    let fullMetadata = OrderedMutex(.fullMetadata, FullMetadataCache(capacity: 4096))
+    let handles = OrderedMutex(.handles, Handles())
+    let shadowLogged = OrderedMutex(.shadowLogged, Set<ByteName>())
+    let listingFlights = OrderedMutex(.listingFlights, [ByteName: ListingFlight]())
     /// Entries held by listings being fetched (`Config.listingEntriesInFlightLimit`).
     let listingEntriesInFlight = Atomic<Int>(0)
-    let firstPages = Mutex(FirstPageCache())
-    let listingPoolSlot = Mutex<WorkerPool?>(nil)
-    let probePoolSlot = Mutex<WorkerPool?>(nil)
-    let nameChanged = Mutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(nil)
+    let firstPages = OrderedMutex(.firstPages, FirstPageCache())
+    let nameChanged = OrderedMutex<(@Sendable (_ parent: UInt64, _ name: String) -> Void)?>(.nameChanged, nil)
 
     /// The namespace on disk (nil: none, as in tests without a cache).
     let stored: NamespaceStore?
+    /// The manifest the mount was made from (`-o manifest=`), asked before anything else
+    /// (Filesystem+Manifest.swift); nil: none.
+    let manifest: ManifestNamespace?
 
     /// `reader` defaults to one with no disk cache (tests); the daemon passes one with its
     /// cache, and the namespace stored beside it, which is loaded here: what it holds answers
     /// only while the bucket cannot (`lastKnown`), as if learnt long ago.
     public init(store: ObjectStore, reference: StorageReference, config: Config, reader: BlockReader? = nil,
-                namespace: NamespaceStore? = nil) {
+                namespace: NamespaceStore? = nil, manifest: ManifestNamespace? = nil) {
+        self.manifest = manifest
         self.store = store
         self.reference = reference
         self.config = config
@@ -132,8 +132,8 @@ public final class Filesystem: Sendable {
                 Log.debug("namespace loaded files=\(loaded.files.count) listings=\(loaded.listings.count)")
             }
         }
-        self.known = Mutex(known)
-        self.listings = Mutex(listings)
+        self.known = OrderedMutex(.knownPaths, known)
+        self.listings = OrderedMutex(.listings, listings)
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         mountTime = Timestamp(seconds: Int64(now.tv_sec), nanoseconds: Int32(now.tv_nsec))
@@ -288,6 +288,7 @@ public final class Filesystem: Sendable {
     /// `skipInode` is the inode being refreshed (its own record is what is stale).
     func resolve(path: String, parentPath: String, name: String, network: Network,
                  skipInode: UInt64? = nil) throws(FilesystemError) -> (Node.Kind, Double) {
+        if let answer = try manifestAnswer(path, parentPath: parentPath, name: name) { return answer }
         let t = now()
         let key = ByteName(path)
         if let snapshot = freshSnapshot(parentPath) {
@@ -475,12 +476,8 @@ public final class Filesystem: Sendable {
         case answered(Result<(Node.Kind, Double), FilesystemError>)
     }
 
-    var probePool: WorkerPool {
-        probePoolSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 16, name: "storefs-probe") }
-            return p!
-        }
-    }
+    /// A lookup's probes and first page (`WorkerPools.probe`, shared with the read path).
+    var probePool: WorkerPool { reader.pools.probe }
 
     /// Names remembered beyond the kernel's references (tests).
     var rememberedPathCount: Int { known.withLock { $0.count } }

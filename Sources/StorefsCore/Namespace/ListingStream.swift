@@ -1,3 +1,4 @@
+import Locking
 import Foundation
 import StorageClient
 
@@ -20,7 +21,7 @@ import StorageClient
 /// last) breaks that reasoning: the stream then hands out nothing more until the listing is
 /// whole (built by `DirectoryListing.Builder` from then on), and then the rest of it.
 final class ListingStream: @unchecked Sendable {
-    private let condition = NSCondition()
+    private let condition = OrderedCondition(.listingStream)
     private let prefix: String
     private let skip: Int
     private var wantChildren = false

@@ -1,6 +1,8 @@
+import Locking
 import Glibc
 import StorageClient
 import Synchronization
+internal import CBlockCache
 
 /// The namespace on disk, beside the block cache (docs/architecture.md, "Offline namespace",
 /// which gives the format): what is needed to serve known paths after a remount
@@ -12,6 +14,11 @@ import Synchronization
 /// rewritten compactly (temporary file, fsync, rename) when it holds mostly superseded
 /// records. Appends happen on a thread of their own, never on a FUSE thread. What is loaded
 /// only ever answers while the bucket cannot: fresh answers replace it.
+///
+/// Several mounts of one source may share the log (one cache directory, docs/cache.md): each
+/// appends whole records with `O_APPEND` (one `write` a record, so records never interleave),
+/// holds a shared `flock` on the log while it has it open, and rewrites it (compaction, a torn
+/// tail cut off) only when it can have it alone; otherwise it reads it as it is and appends.
 public final class NamespaceStore: Sendable {
     static let versionName = "ns-v1"
     static let magic: [UInt8] = Array("storefs-namespace\n".utf8)
@@ -31,16 +38,11 @@ public final class NamespaceStore: Sendable {
 
     private let directory: CacheDirectory
     private let fileName: String
-    private let log: Mutex<Int32>
-    /// Made on first use: the store is opened before daemonizing, and fork keeps no threads.
-    private let writerSlot = Mutex<WorkerPool?>(nil)
-    private var writer: WorkerPool {
-        writerSlot.withLock { p in
-            if p == nil { p = WorkerPool(threads: 1, name: "storefs-ns") }
-            return p!
-        }
-    }
-    private let written = Mutex(Written())
+    private let log: OrderedMutex<Int32>
+    /// Its one thread (`WorkerPools.namespace`; threads start at the first record, after the
+    /// daemon has forked).
+    private let writer: WorkerPool
+    private let written = OrderedMutex(.namespaceWritten, Written())
     private struct Written {
         var files: [ByteName: Int64] = [:]
         var listings: [ByteName: UInt64] = [:]
@@ -48,19 +50,39 @@ public final class NamespaceStore: Sendable {
     }
 
     /// Opens (creating) the log of `source` under `cacheDirectory` (which the block cache has
-    /// already verified and locked).
-    public init(cacheDirectory: String, source: String) throws(FilesystemError) {
+    /// already verified and locked). `writer`: the thread that appends records.
+    public init(cacheDirectory: String, source: String,
+                writer: WorkerPool = WorkerPool(threads: 1, name: "storefs-ns")) throws(FilesystemError) {
+        self.writer = writer
         do throws(CacheDirectory.Refused) {
             directory = try CacheDirectory(directory: cacheDirectory, versionName: Self.versionName)
         } catch {
             throw FilesystemError(.invalidArgument, error.message)
         }
-        directory.removeTemporaryPlainFiles()
+        // Another mount may be compacting its log right now: only old temporary files go.
+        directory.removeTemporaryPlainFiles(all: false)
         fileName = Self.fileName(source: source)
-        guard let fd = directory.openPlainFile(fileName, flags: O_RDWR | O_CREAT) else {
+        guard let fd = Self.openLog(directory, fileName, create: true) else {
             throw FilesystemError(.invalidArgument, "cannot open \(directory.versionPath)/\(fileName): \(String(cString: strerror(errno)))")
         }
-        log = Mutex(fd)
+        log = OrderedMutex(.namespaceLog, fd)
+    }
+
+    /// Opens the log for appending, with a shared lock held while it is open; a log another
+    /// mount replaced while the lock was awaited (compaction renames a new one into place) is
+    /// opened again by name.
+    private static func openLog(_ directory: CacheDirectory, _ name: String, create: Bool) -> Int32? {
+        for _ in 0..<3 {
+            guard let fd = directory.openPlainFile(name, flags: O_RDWR | O_APPEND | (create ? O_CREAT : 0)) else { return nil }
+            while flock(fd, LOCK_SH) != 0 && errno == EINTR {}
+            var st = stat()
+            if fstat(fd, &st) == 0 && st.st_nlink > 0 {
+                startIfEmpty(fd)
+                return fd
+            }
+            close(fd)
+        }
+        return nil
     }
 
     deinit { _ = log.withLock { close($0) } }
@@ -116,18 +138,44 @@ public final class NamespaceStore: Sendable {
             w.bytes = compact.count
         }
         if valid == 0 || compact.count * 2 < valid || valid < bytes.count {
-            // A fresh log, a torn tail, or mostly superseded records: write the compact form.
-            if directory.replacePlainFile(fileName, with: compact) {
-                reopen()
-            } else {
-                Log.warn("namespace: cannot rewrite \(directory.versionPath)/\(fileName): \(String(cString: strerror(errno)))")
+            // A fresh log, a torn tail, or mostly superseded records: write the compact form,
+            // if no other mount has the log open (it appends to the file it has: a log renamed
+            // into place under it would lose what it appends). A tail another mount is writing
+            // right now looks torn too, and is then not cut off.
+            let alone = log.withLock { fd in
+                if flock(fd, LOCK_EX | LOCK_NB) == 0 { return true }
+                while flock(fd, LOCK_SH) != 0 && errno == EINTR {}  // a failed conversion let it go
+                return false
+            }
+            if alone {
+                if directory.replacePlainFile(fileName, with: compact) {
+                    reopen()
+                } else {
+                    Log.warn("namespace: cannot rewrite \(directory.versionPath)/\(fileName): \(String(cString: strerror(errno)))")
+                    log.withLock { fd in _ = flock(fd, LOCK_SH) }
+                }
             }
         }
         return loaded
     }
 
+    /// A new (empty) log gets its header now, before any record, whether or not another mount
+    /// has it open too: one at a time (an open file description lock on its first byte), and
+    /// only while it is still empty, so that two mounts starting at once write it once.
+    private static func startIfEmpty(_ fd: Int32) {
+        _ = cblockcache_lock_range(fd, 0, 1, 1, 1)
+        defer { _ = cblockcache_unlock_range(fd, 0, 1) }
+        var st = stat()
+        guard fstat(fd, &st) == 0, st.st_size == 0 else { return }
+        let header = encode(Loaded())
+        _ = header.withUnsafeBytes { Glibc.write(fd, $0.baseAddress, $0.count) }
+    }
+
+    /// The log was replaced (the exclusive lock held on the old one meanwhile): the new one is
+    /// opened and locked, then the old one let go, so no mount opens the new one unlocked.
     private func reopen() {
-        guard let fd = directory.openPlainFile(fileName, flags: O_RDWR) else { return }
+        guard let fd = directory.openPlainFile(fileName, flags: O_RDWR | O_APPEND) else { return }
+        _ = flock(fd, LOCK_SH)
         log.withLock { old in
             close(old)
             old = fd
@@ -182,11 +230,12 @@ public final class NamespaceStore: Sendable {
 
     private func write(_ bytes: [UInt8]) {
         written.withLock { $0.bytes += bytes.count }
+        // One `write` with O_APPEND: the record lands whole after whatever another mount
+        // appended, never over it.
         log.withLock { fd in
-            let end = lseek(fd, 0, SEEK_END)
             var done = 0
             while done < bytes.count {
-                let n = bytes.withUnsafeBytes { pwrite(fd, $0.baseAddress! + done, $0.count - done, end + off_t(done)) }
+                let n = bytes.withUnsafeBytes { Glibc.write(fd, $0.baseAddress! + done, $0.count - done) }
                 if n <= 0 { break }
                 done += n
             }
@@ -195,8 +244,7 @@ public final class NamespaceStore: Sendable {
 
     /// Waits until every record asked for is written (unmount).
     public func flush(timeout: Double) {
-        guard let pool = writerSlot.withLock({ $0 }) else { return }
-        _ = pool.drain(timeout: timeout)
+        _ = writer.drain(timeout: timeout)
     }
 
     // MARK: Encoding (docs/architecture.md, "Offline namespace")

@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// The first bytes of objects, fetched beside their lookup before their generation is known,
 /// until the first read of that generation takes them (docs/architecture.md, "Lookups in one
@@ -26,7 +27,7 @@ final class FirstBytesTable: Sendable {
 
     final class Entry: Sendable {
         let asked: Double
-        private let outcome = Mutex<Landed??>(nil)
+        private let outcome = OrderedMutex<Landed??>(.firstBytesEntry, nil)
         private let group = DispatchGroup()
 
         init(asked: Double) {
@@ -51,7 +52,7 @@ final class FirstBytesTable: Sendable {
         }
     }
 
-    private let entries = Mutex([ByteName: Entry]())
+    private let entries = OrderedMutex(.firstBytesTable, [ByteName: Entry]())
     private let count = Atomic<Int>(0)
 
     /// A new entry for `name`, or nil when one is already there or the table is full.
@@ -90,5 +91,27 @@ final class FirstBytesTable: Sendable {
     /// Whether `name`'s first bytes were asked for (and not taken yet).
     func contains(_ name: String) -> Bool {
         !isEmpty && entries.withLock { $0[ByteName(name)] != nil }
+    }
+}
+
+extension BlockReader {
+    /// Whether the cache holds any bytes of that generation of `name`.
+    func hasCachedBytes(of name: String, generation: Int64, size: Int64) -> Bool {
+        (cache?.cachedBytes(endpoint: endpoint, bucket: store.bucket, name: name, generation: generation, size: size) ?? 0) > 0
+    }
+
+    /// Asks for the first bytes of `name` (whatever its generation) on a thread `submit` gives,
+    /// for a lookup that needs a round trip anyway (docs/architecture.md, "Lookups in one round
+    /// trip"): the file's first read then waits for this answer instead of asking again.
+    public func fetchFirstBytes(of name: String, submit: (@escaping @Sendable () -> Void) -> Void) {
+        guard let entry = firstBytes.begin(name) else { return }
+        submit { [store] in
+            var bytes = [UInt8](repeating: 0, count: FirstBytesTable.length)
+            let start = try? bytes.withUnsafeMutableBytes { (b) throws(StorageError) -> ObjectStart? in
+                try store.readStart(name, into: b, isCancelled: nil)
+            }
+            entry.finish(start.flatMap { $0 }.map { FirstBytesTable.Landed(generation: $0.generation, size: $0.size,
+                                                                            bytes: Array(bytes.prefix($0.count))) })
+        }
     }
 }

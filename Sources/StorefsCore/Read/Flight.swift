@@ -1,6 +1,7 @@
 import Foundation
 import Glibc
 import StorageClient
+import Locking
 
 /// One ranged download of consecutive blocks, shared by every reader that needs any of them
 /// (single flight). Readers wait on it and copy from its buffer, so a download serves its
@@ -11,14 +12,17 @@ final class Flight: @unchecked Sendable {
     let blockCount: Int
     let start: Int64
     let length: Int
-    /// Scheduled ahead of its reader (not a reader's own miss): kept once cached until the
-    /// reader has copied it (`BlockReader.storeToCache`), even if a reader ran it.
+    /// Scheduled ahead of its reader (not a reader's own miss).
     let isReadAhead: Bool
+    /// Kept in memory once cached until a reader has copied it to its end (or the file is
+    /// closed, or memory runs short): read-ahead, and a small file fetched whole by its first
+    /// read, whose reader comes back for the rest (`BlockReader.storeToCache`).
+    let keptUntilRead: Bool
     /// Taken from the pool when the download starts (`beginDownload`), so read-ahead queued
     /// behind busy threads holds budget but no memory. Readers use it only after `finish`.
     private(set) var buffer = UnsafeMutableRawBufferPointer(start: nil, count: 0)
     private let budget: MemoryBudget
-    private let condition = NSCondition()
+    private let condition = OrderedCondition(.flight)
     private var outcome: Result<Void, StorageError>?
     private var consumed = false
     private var stored = false
@@ -30,7 +34,8 @@ final class Flight: @unchecked Sendable {
     let probe: BucketHealth.Probe?
 
     init(firstBlock: Int, blockCount: Int, start: Int64, length: Int, isReadAhead: Bool = false,
-         budget: MemoryBudget, pool: FlightBufferPool, probe: BucketHealth.Probe? = nil) {
+         keptUntilRead: Bool? = nil, budget: MemoryBudget, pool: FlightBufferPool, probe: BucketHealth.Probe? = nil) {
+        self.keptUntilRead = keptUntilRead ?? isReadAhead
         self.probe = probe
         self.firstBlock = firstBlock
         self.blockCount = blockCount
@@ -149,22 +154,23 @@ final class FlightBufferPool: @unchecked Sendable {
     /// holds resident, not as what its current part asked.
     private var touched: [UnsafeMutableRawPointer: Int] = [:]
     private var lastUse = 0.0
-    private let lock = NSLock()
+    private let lock = OrderedLock(.flightBuffers)
 
     init(regionSize: Int, keepBytes: Int) {
         self.regionSize = (regionSize + 4095) / 4096 * 4096
         self.keepBytes = keepBytes
-        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) }
+        MemoryReturn.register { [weak self] idle in self?.releaseIfIdle(for: idle) ?? false }
     }
 
     /// Unmaps the kept regions once the pool has not been used for `idle` seconds: a load's
     /// buffers do not stay resident after it (they are mapped again, at a page fault each, on
-    /// the next load).
-    func releaseIfIdle(for idle: Double) {
+    /// the next load). True when it unmapped any.
+    @discardableResult
+    func releaseIfIdle(for idle: Double) -> Bool {
         lock.lock()
         guard now() - lastUse >= idle, !free.isEmpty else {
             lock.unlock()
-            return
+            return false
         }
         let released = free
         free.removeAll()
@@ -172,6 +178,7 @@ final class FlightBufferPool: @unchecked Sendable {
         freeBytes = 0
         lock.unlock()
         for r in released { munmap(r.region, regionSize) }
+        return true
     }
 
     deinit { for r in free { munmap(r.region, regionSize) } }

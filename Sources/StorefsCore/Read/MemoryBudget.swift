@@ -1,11 +1,12 @@
 import Foundation
+import Locking
 
 /// A global bound on bytes held by downloads in flight (`memory_limit=`). Demand reads wait
 /// for room; read-ahead only takes room that is free, so it never starves a reader.
 final class MemoryBudget: @unchecked Sendable {
     let limit: Int64
     private var used: Int64 = 0
-    private let condition = NSCondition()
+    private let condition = OrderedCondition(.memoryBudget)
 
     init(limit: Int64) { self.limit = limit }
 

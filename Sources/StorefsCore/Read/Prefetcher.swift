@@ -92,6 +92,18 @@ struct Prefetcher {
         return from..<to
     }
 
+    /// Whether a read at `offset` of `count` bytes would continue this stream: it starts where
+    /// the last read ended, or near it for the kernel's large readahead requests.
+    func continues(offset: Int64, count: Int) -> Bool {
+        offset == expected || (count >= Self.largeRead && abs(offset - expected) <= Self.tolerance)
+    }
+
+    /// How far a read at `offset` is from where this stream goes on.
+    func distance(to offset: Int64) -> Int64 { abs(offset - expected) }
+
+    /// No read was observed yet.
+    var isFresh: Bool { expected == Int64.min / 2 }
+
     /// The streak has read enough to be taken for a stream: its window may grow.
     var hasEvidence: Bool { streak > 0 && expected - streakStart >= Self.evidence }
 
@@ -100,3 +112,63 @@ struct Prefetcher {
         scheduledUntil = min(scheduledUntil, offset)
     }
 }
+
+/// The sequential streams read through one open file, each with a read-ahead window of its own
+/// (`Prefetcher`): threads that read disjoint parts of one file through one descriptor (page
+/// faults of an `mmap`, `pread` loops over slices) are one open file to the kernel and to
+/// storefs, and one window between them was reset by every read of another thread, so four
+/// such readers read slower than one (issue 48; docs/architecture.md, "Read-ahead").
+///
+/// A read continues the stream it follows on from (the nearest, where several could), or starts
+/// a new one, which takes the place of the least recently used past `capacity`. One reader
+/// alone keeps one stream, as before; random reads each start a stream that gets no window
+/// (a fresh stream opens one only on the read that continues it, or a read at 0).
+struct ReadStreams {
+    struct Stream {
+        let id: Int
+        var prefetcher: Prefetcher
+        var lastUse: Int
+    }
+
+    let minWindow: Int64
+    let maxWindow: Int64
+    let capacity: Int
+    private(set) var streams: [Stream] = []
+    private var nextID = 0
+    private var clock = 0
+
+    init(minWindow: Int64, maxWindow: Int64, capacity: Int = 8) {
+        self.minWindow = minWindow
+        self.maxWindow = maxWindow
+        self.capacity = max(1, capacity)
+    }
+
+    /// The stream a read at `offset` of `count` bytes belongs to: one it continues, else a new one.
+    mutating func stream(for offset: Int64, count: Int) -> Int {
+        clock += 1
+        var best: Int? = nil
+        for (i, s) in streams.enumerated() where s.prefetcher.continues(offset: offset, count: count) {
+            if let b = best, streams[b].prefetcher.distance(to: offset) <= s.prefetcher.distance(to: offset) { continue }
+            best = i
+        }
+        if best == nil, offset == 0, let fresh = streams.firstIndex(where: { $0.prefetcher.isFresh }) { best = fresh }
+        if let best {
+            streams[best].lastUse = clock
+            return streams[best].id
+        }
+        if streams.count >= capacity, let oldest = streams.indices.min(by: { streams[$0].lastUse < streams[$1].lastUse }) {
+            streams.remove(at: oldest)
+        }
+        let id = nextID
+        nextID += 1
+        streams.append(Stream(id: id, prefetcher: Prefetcher(minWindow: minWindow, maxWindow: maxWindow), lastUse: clock))
+        return id
+    }
+
+    /// Runs `body` on stream `id`'s prefetcher; nil if that stream has given its place away.
+    mutating func with<T>(_ id: Int, _ body: (inout Prefetcher) -> T) -> T? {
+        guard let i = streams.firstIndex(where: { $0.id == id }) else { return nil }
+        return body(&streams[i].prefetcher)
+    }
+}
+

@@ -1,6 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
+import Locking
 
 /// How many read-ahead parts may download at once, and how large they are, found from the
 /// link itself (docs/architecture.md, "Adaptive transfers").
@@ -327,10 +328,10 @@ final class TransferController: Sendable {
 
     private struct State: ~Copyable {
         var plan: TransferPlan
-        var queue = PartQueue<ObjectIdentifier, Job>()
+        var queue = PartQueue<ReaderID, Job>()
     }
 
-    private let state: Mutex<State>
+    private let state: OrderedMutex<State>
     let limits: TransferPlan.Limits
     /// The store's fastest answer yet (`ObjectStore.fastestFirstByte`).
     private let fastestAnswer: @Sendable () -> Double?
@@ -338,7 +339,7 @@ final class TransferController: Sendable {
     init(limits: TransferPlan.Limits, fastestAnswer: @escaping @Sendable () -> Double? = { nil }) {
         self.limits = limits
         self.fastestAnswer = fastestAnswer
-        state = Mutex(State(plan: TransferPlan(limits: limits, now: monotonicNow())))
+        state = OrderedMutex(.transfers, State(plan: TransferPlan(limits: limits, now: monotonicNow())))
     }
 
     /// Parts allowed in flight now.
@@ -349,7 +350,7 @@ final class TransferController: Sendable {
     /// readers share the slots if `reader` asks for more (`sharingReaders`) and what a step up
     /// would take the count to (`TransferPlan.nextParts`: connections are opened for it). Until
     /// the server is found near, the store's fastest answer (a lookup's) may say so first.
-    func current(for reader: ObjectIdentifier) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int, nextParts: Int) {
+    func current(for reader: ReaderID) -> (parts: Int, partSize: Int64, isNear: Bool, readers: Int, nextParts: Int) {
         state.withLock { s in
             noteFastestAnswer(&s)
             return (s.plan.parts, s.plan.partSize, s.plan.isNear, Self.sharing(s.queue, with: reader), s.plan.nextParts)
@@ -377,11 +378,11 @@ final class TransferController: Sendable {
     var running: Int { state.withLock { $0.queue.running } }
     /// Readers (open files) with read-ahead waiting or running, `reader` counted whether or not
     /// it has any: how many share the slots if `reader` asks for more.
-    func sharingReaders(with reader: ObjectIdentifier) -> Int {
+    func sharingReaders(with reader: ReaderID) -> Int {
         state.withLock { Self.sharing($0.queue, with: reader) }
     }
 
-    private static func sharing(_ queue: borrowing PartQueue<ObjectIdentifier, Job>, with reader: ObjectIdentifier) -> Int {
+    private static func sharing(_ queue: borrowing PartQueue<ReaderID, Job>, with reader: ReaderID) -> Int {
         queue.readers + (queue.isSharing(reader) ? 0 : 1)
     }
 
@@ -393,7 +394,7 @@ final class TransferController: Sendable {
 
     /// Queues a read-ahead part of `reader`'s: `run` goes to `pool` once the part has a slot,
     /// and must give it back with `release(for: reader, …)`.
-    func enqueue(for reader: ObjectIdentifier, on pool: WorkerPool, _ run: @escaping @Sendable () -> Void) {
+    func enqueue(for reader: ReaderID, on pool: WorkerPool, _ run: @escaping @Sendable () -> Void) {
         let ready = state.withLock { s -> [Job] in
             s.queue.add(Job(pool: pool, run: run), for: reader)
             return Self.startable(&s)
@@ -416,7 +417,7 @@ final class TransferController: Sendable {
 
     /// A slot is given back: the part moved `bytes` in `seconds` (first byte after
     /// `firstByte`), or failed (`refused`: the server asked for fewer requests).
-    func release(for reader: ObjectIdentifier, bytes: Int64, seconds: Double, firstByte: Double,
+    func release(for reader: ReaderID, bytes: Int64, seconds: Double, firstByte: Double,
                  failed: Bool = false, refused: Bool = false) {
         let now = monotonicNow()
         let ready = state.withLock { s -> [Job] in
@@ -431,3 +432,12 @@ final class TransferController: Sendable {
         for job in ready { job.pool.submit(job.run) }
     }
 }
+
+/// Who asks for read-ahead: one sequential stream (`ReadStreams`) of one open file. Slots are
+/// shared between them (`PartQueue`), so four streams in one file get four shares, as four
+/// files would.
+struct ReaderID: Hashable, Sendable {
+    let file: ObjectIdentifier
+    let stream: Int
+}
+

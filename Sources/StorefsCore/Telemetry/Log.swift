@@ -2,6 +2,7 @@ import Foundation
 import Glibc
 import StorageClient
 import Synchronization
+import Locking
 
 /// Levels of `log_level=`.
 public enum LogLevel: Int, Sendable, Comparable, CaseIterable {
@@ -56,7 +57,7 @@ public enum Log {
         var flusher = false
     }
 
-    private static let state = Mutex(State())
+    private static let state = OrderedMutex(.log, State())
     /// The level, read on every call: an atomic, so a disabled debug line costs a load.
     private static let level = Atomic<Int>(LogLevel.info.rawValue)
 

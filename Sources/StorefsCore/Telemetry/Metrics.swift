@@ -1,16 +1,7 @@
 import Foundation
 import StorageClient
 import Synchronization
-
-/// The FUSE operations storefs answers, as counted and logged (docs/operations.md).
-public enum FuseOp: Int, Sendable, CaseIterable {
-    case lookup, forget, getattr, readlink, opendir, readdir, readdirplus, releasedir, open, read, release
-    case getxattr, listxattr, statfs
-    // Everything that would change the bucket (EROFS).
-    case setattr, mknod, mkdir, unlink, rmdir, symlink, rename, link, create, write, setxattr, removexattr, fallocate
-
-    public var name: String { String(describing: self) }
-}
+import Locking
 
 /// Cumulative buckets of a latency histogram, Prometheus-style: `counts[i]` observations
 /// ≤ `bounds[i]` seconds (not cumulative in storage; cumulated when written out).
@@ -37,7 +28,9 @@ public final class Metrics: Sendable {
 
     public struct Snapshot: Sendable {
         public var uptime: Double = 0
-        public var ops = [UInt64](repeating: 0, count: FuseOp.allCases.count)
+        /// Operations answered, by the adapter's index (`nameOperations`), and their names.
+        public var ops: [UInt64] = []
+        public var opNames: [String] = []
         /// Failed operations by errno (positive values).
         public var errors: [Int32: UInt64] = [:]
         /// Bytes the kernel received from reads.
@@ -58,24 +51,35 @@ public final class Metrics: Sendable {
     }
 
     private let started = monotonicNow()
-    private let fuse = Mutex(Snapshot())
-    private let http = Mutex(Snapshot())
-    private let cache = Mutex(Snapshot())
+    private let fuse = OrderedMutex(.metricsFuse, Snapshot())
+    private let http = OrderedMutex(.metricsHTTP, Snapshot())
+    private let cache = OrderedMutex(.metricsCache, Snapshot())
 
-    /// One answered FUSE operation: `errno` 0 for success.
-    public func fuseOp(_ op: FuseOp, errno: Int32, seconds: Double, bytes: Int = 0) {
+    /// The operations the FUSE adapter answers, in its order (its `FuseOp`): named once, at
+    /// start, and counted by index from then on.
+    public func nameOperations(_ names: [String]) {
         fuse.withLock { s in
-            s.ops[op.rawValue] += 1
+            s.opNames = names
+            s.ops = [UInt64](repeating: 0, count: names.count)
+        }
+    }
+
+    /// One answered operation (by its index among `nameOperations`): `errno` 0 for success; a
+    /// read's bytes and time go to the read counters.
+    public func operation(_ index: Int, errno: Int32, seconds: Double, bytes: Int = 0, isRead: Bool = false) {
+        fuse.withLock { s in
+            if index < s.ops.count { s.ops[index] += 1 }
             if errno != 0 { s.errors[errno, default: 0] += 1 }
-            if op == .read {
+            if isRead {
                 s.readBytes += UInt64(bytes)
                 s.readLatency.observe(seconds)
             }
         }
     }
 
-    public func fuseOps(_ op: FuseOp, count: Int) {
-        fuse.withLock { $0.ops[op.rawValue] += UInt64(count) }
+    /// `count` answered operations of one kind at once (a batch of forgets).
+    public func operations(_ index: Int, count: Int) {
+        fuse.withLock { s in if index < s.ops.count { s.ops[index] += UInt64(count) } }
     }
 
     public func exchange(_ r: HTTPExchangeRecord) {

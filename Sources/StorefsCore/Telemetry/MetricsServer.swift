@@ -2,6 +2,7 @@ import Foundation
 import Glibc
 import StorageClient
 import Synchronization
+import Locking
 
 /// `metrics=ADDRESS:PORT` or `metrics=unix:PATH`: Prometheus text at `GET /metrics`
 /// (docs/operations.md, "Metrics"; docs/security.md, "Local users on an allow_other mount").
@@ -47,7 +48,7 @@ public final class MetricsServer: @unchecked Sendable {
     public let address: Address
     /// The listening socket and the TCP port it has (port 0 asks for a free one: this says
     /// which), once bound: set once, by `init` or the retry thread, then only read.
-    private let listener = Mutex<(fd: Int32, port: Int)>((-1, 0))
+    private let listener = OrderedMutex<(fd: Int32, port: Int)>(.metricsServer, (-1, 0))
     /// Why the TCP port could not be bound at mount (a warning then; `start` keeps trying).
     public let bindProblem: String?
 

@@ -1,6 +1,7 @@
 import Testing
 import StorageClient
-@testable import StorefsCore
+import StorefsCore
+@testable import storefs
 
 @Suite struct MountOptionsTests {
     func mount(_ args: [String], env: [String: String] = [:]) throws -> MountOptions {
@@ -67,6 +68,8 @@ import StorageClient
         (["-o", "endpoint=http://127.0.0.1:x@evil.example/", "b", "/m"], "carries a user name or password"),
         (["-o", "auth_endpoint=http://u:p@127.0.0.1:9/", "b", "/m"], "carries a user name or password"),
         (["-o", "request_timeout=0", "b", "/m"], "from 0.1 to 86400"),
+        (["-o", "whole_file=128M,memory_limit=1G", "b", "/m"], "is more than 64M"),
+        (["-o", "whole_file=32M,memory_limit=64M", "b", "/m"], "more than a quarter of memory_limit"),
         (["-o", "response_timeout=soon", "b", "/m"], "from 0.1 to 86400"),
         (["b"], "missing MOUNTPOINT"),
         ([], "missing SOURCE and MOUNTPOINT"),
@@ -107,6 +110,10 @@ import StorageClient
         #expect(o.listAhead == 0 && defaults.listAhead == 128)
         #expect(o.cacheWrites == .keepUp && defaults.cacheWrites == .all)
         #expect(o.cacheIO == .buffered && defaults.cacheIO == .direct)
+        #expect(defaults.wholeFileLimit == 4 << 20)
+        #expect(try mount(["-o", "memory_limit=8M", "b", "/m"]).wholeFileLimit == 2 << 20)
+        #expect(try mount(["-o", "whole_file=0", "b", "/m"]).wholeFileLimit == 0)
+        #expect(try mount(["-o", "whole_file=2M", "b", "/m"]).wholeFileLimit == 2 << 20)
     }
 
     @Test func helpAndVersion() throws {

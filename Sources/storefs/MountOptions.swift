@@ -1,12 +1,15 @@
 import Foundation
 import Glibc
 import StorageClient
+import StorefsCore
 
 /// The parsed command line: `storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT`.
 ///
 /// Option names are the contract (README, "Options"). mount(8) noise that mount.fuse3 passes
 /// through is accepted and dropped; a few FUSE options are forwarded to libfuse; anything
-/// else is an error that names the option.
+/// else is an error that names the option. Over 500 lines because the usage text and every
+/// option's check and one-line error sit beside the option's field, so one file is the
+/// contract.
 public struct MountOptions: Sendable, Equatable {
     public var source: StorageReference
     /// SOURCE exactly as written: the kernel's source (`fsname`), so mount(8) finds the fstab
@@ -22,8 +25,6 @@ public struct MountOptions: Sendable, Equatable {
     public var nonempty = false
     public var foreground = false
     public var debug = false
-    public enum StorageProtocol: String, Sendable { case gcs, firebase }
-
     public var storageProtocol = StorageProtocol.gcs
     /// nil: the protocol's production origin (or an emulator variable's).
     public var endpoint: String?
@@ -56,6 +57,12 @@ public struct MountOptions: Sendable, Equatable {
     public var parallel: Int?
     public static let maxParallel = 48
     public var memoryLimit: Int64 = 256 << 20
+    /// Files of at most this size, with a known size, are fetched whole by their first read
+    /// (docs/architecture.md, "Small files"); 0: never; nil: `wholeFileLimit`'s default.
+    public var wholeFile: Int64?
+    /// `whole_file=`, or by default `BlockReader.defaultWholeObjectLimit`, lowered to a quarter
+    /// of `memoryLimit` where that is less (a small `memory_limit=` alone still mounts).
+    public var wholeFileLimit: Int64 { wholeFile ?? min(BlockReader.defaultWholeObjectLimit, memoryLimit / 4) }
     public var cacheWrites: CacheWrites = .all
     public var cacheIO: CacheIO = .direct
     /// Sub-directories listed ahead when a directory is opened (GCS protocol only).
@@ -94,14 +101,19 @@ public struct MountOptions: Sendable, Equatable {
     public var metricsBindAny = false
     /// Options forwarded to libfuse (`allow_other`, `default_permissions`, `fsname=`…).
     public var fuseOptions: [String] = []
+    /// `manifest=PATH`: names, sizes and generations from a manifest, with no list request
+    /// (docs/manifest.md); `manifest_refresh=` says whether directories still follow the bucket.
+    public var manifest: String?
+    public var manifestRefresh = ManifestNamespace.Refresh.never
 
     public enum Command: Sendable, Equatable {
         case help
         case version
         case mount(MountOptions)
-        /// `storefs prefetch …` and `storefs cache …`: the arguments after the word.
+        /// `storefs prefetch …`, `storefs cache …` and `storefs manifest …`: the arguments after the word.
         case prefetch([String])
         case cache([String])
+        case manifest([String])
     }
 
     public struct ParseError: Error, Sendable, Equatable, CustomStringConvertible {
@@ -122,6 +134,7 @@ public struct MountOptions: Sendable, Equatable {
         usage: storefs [-f] [-d] [-o OPT[,OPT...]] SOURCE MOUNTPOINT
                storefs prefetch [-j N] PATH...        (warm the block cache through a mount)
                storefs cache status|clear [--force] [CACHE_DIR]
+               storefs manifest [--format csv|jsonl] [--gzip] [-o OPT,...] SOURCE > FILE
                storefs --help | --version
 
         Mounts a Google Cloud Storage / Firebase Storage bucket as a read-only filesystem.
@@ -149,6 +162,8 @@ public struct MountOptions: Sendable, Equatable {
           -o read_ahead=SIZE largest read-ahead window of a sequential reader (default: memory_limit; 0 = off)
           -o parallel=N      read-ahead downloads in flight at once, fixed (default: found from the link, 2 to 48)
           -o memory_limit=SIZE bytes all downloads in flight may hold (default 256M)
+          -o whole_file=SIZE files up to SIZE are fetched whole by their first read, one request
+                             (default 4M or memory_limit/4 if less; at most 64M and memory_limit/4; 0 = off)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)
           -o cache_io=W      direct (default: cache data is written past the page cache) or buffered
@@ -162,6 +177,11 @@ public struct MountOptions: Sendable, Equatable {
           -o negative_ttl=S  seconds a missing name is remembered (default 5)
           -o offline=auto    mount an unreachable bucket from the namespace stored in the cache (auto, default)
                              or fail at once (never)
+          -o manifest=PATH   names, sizes and generations from a manifest (storefs manifest, or a Storage
+                             Insights inventory report: a file, its _manifest.json, or a directory of shards),
+                             with no list request; indexed once into cache_dir
+          -o manifest_refresh=M  never (default: the manifest is the truth) or list (a directory opened is
+                             listed, and follows the bucket from then on)
           -o metadata_cache_size=N  names remembered beyond what the kernel holds: listing entries
                              and looked-up paths, each at most N, ~100 bytes a name (default 262144)
           -o uid=N,gid=N     owner shown for every file (default: the mounting user)
@@ -179,15 +199,26 @@ public struct MountOptions: Sendable, Equatable {
           -o noexec,nosuid,nodev / exec,suid,dev  kernel mount flags (default exec,nosuid,nodev)
           -o nonempty        mount over a non-empty directory (hiding its contents)
         mount(8) options such as rw, ro, _netdev, nofail, noauto, user, defaults, x-systemd.* are ignored.
-        A bucket named prefetch or cache is written gs://prefetch, gs://cache. See storefs(8).
+        A bucket named prefetch, cache or manifest is written gs://prefetch, gs://cache, gs://manifest. See storefs(8).
         """
 
     public static func parse(arguments: [String], environment: [String: String]) throws(ParseError) -> Command {
         switch arguments.first {
         case "prefetch": return .prefetch(Array(arguments.dropFirst()))
         case "cache": return .cache(Array(arguments.dropFirst()))
+        case "manifest": return .manifest(Array(arguments.dropFirst()))
         default: break
         }
+        return try parse(arguments: arguments, environment: environment, mountpoint: true)
+    }
+
+    /// The arguments of `storefs manifest` (after its own flags): the mount's `-o` options
+    /// and SOURCE, no mountpoint. `.mount` carries them (with an empty mountpoint).
+    public static func parseManifestCommand(arguments: [String], environment: [String: String]) throws(ParseError) -> Command {
+        try parse(arguments: arguments, environment: environment, mountpoint: false)
+    }
+
+    private static func parse(arguments: [String], environment: [String: String], mountpoint needsMountpoint: Bool) throws(ParseError) -> Command {
         var positionals: [String] = []
         var optionItems: [String] = []
         var foreground = false
@@ -215,6 +246,14 @@ public struct MountOptions: Sendable, Equatable {
                 }
             }
             i += 1
+        }
+        if !needsMountpoint {
+            let usage = "usage: storefs manifest [--format csv|jsonl] [--gzip] [-o OPT,...] SOURCE > FILE"
+            guard positionals.count == 1 else {
+                throw ParseError(message: positionals.isEmpty ? "missing SOURCE: \(usage)"
+                                 : "too many arguments (\(positionals.joined(separator: " "))): \(usage)")
+            }
+            positionals.append("")
         }
         guard positionals.count == 2 else {
             throw ParseError(message: positionals.count < 2
@@ -271,6 +310,10 @@ public struct MountOptions: Sendable, Equatable {
                 o.blockSize = Int(b)
             case "read_ahead": o.readAhead = try size(key, value, min: 0)
             case "memory_limit": o.memoryLimit = try size(key, value, min: 4 << 20)
+            case "whole_file":
+                let w = try size(key, value, min: 0)
+                o.wholeFile = w
+                guard w <= 64 << 20 else { throw ParseError(message: "whole_file=\(value!) is more than 64M") }
             case "cache_writes":
                 o.cacheWrites = try choice(key, value, "all or keep_up") { CacheWrites(rawValue: $0.lowercased()) }
             case "cache_io":
@@ -288,6 +331,9 @@ public struct MountOptions: Sendable, Equatable {
                     throw ParseError(message: "offline must be auto or never (got '\(value ?? "")')")
                 }
                 o.offline = v
+            case "manifest": o.manifest = try require(key, value)
+            case "manifest_refresh":
+                o.manifestRefresh = try choice(key, value, "never or list") { ManifestNamespace.Refresh(rawValue: $0.lowercased()) }
             case "metadata_cache_size":
                 o.metadataCacheSize = try integer(key, value, 1024...100_000_000, "a whole number of names from 1024 to 100000000")
             case "uid": o.uid = try id(key, value)
@@ -351,6 +397,9 @@ public struct MountOptions: Sendable, Equatable {
         }
         if o.apiKey != nil && o.storageProtocol != .firebase {
             throw ParseError(message: "api_key= signs in a Firebase user, which only the Firebase protocol accepts: add protocol=firebase")
+        }
+        if let w = o.wholeFile, w > o.memoryLimit / 4 {
+            throw ParseError(message: "whole_file=\(w) is more than a quarter of memory_limit=\(o.memoryLimit): lower whole_file or raise memory_limit")
         }
         return .mount(o)
     }

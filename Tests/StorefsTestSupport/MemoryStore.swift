@@ -1,15 +1,19 @@
 import Foundation
 import Glibc
 import StorageClient
-@testable import StorefsCore
+internal import CChecksum
 import Synchronization
 
-/// An in-memory bucket that counts requests, for testing the core without HTTP.
-final class MemoryStore: ObjectStore {
-    struct Counts: Equatable { var list = 0; var metadata = 0; var read = 0 }
+/// An in-memory bucket that counts requests, for testing the core and the adapter without HTTP
+/// (shared by the test targets).
+public final class MemoryStore: ObjectStore, ConnectionTuning {
+    public struct Counts: Equatable, Sendable {
+        public var list = 0, metadata = 0, read = 0
+        public init(list: Int = 0, metadata: Int = 0, read: Int = 0) { (self.list, self.metadata, self.read) = (list, metadata, read) }
+    }
 
-    let bucket = "b"
-    let pageSize: Int
+    public let bucket = "b"
+    public let pageSize: Int
     private let objects = Mutex<[String: (ObjectMetadata, [UInt8])]>([:])
     private let counts = Mutex(Counts())
     private let failure = Mutex<StorageError?>(nil)
@@ -18,20 +22,20 @@ final class MemoryStore: ObjectStore {
     private let corruptions = Mutex<Int>(0)
 
     /// Flips one bit in the answers of the next `count` media reads (a corrupting server).
-    func corruptNextReads(_ count: Int) { corruptions.withLock { $0 = count } }
+    public func corruptNextReads(_ count: Int) { corruptions.withLock { $0 = count } }
 
     /// Makes every media read take this long (to line readers up on one download).
-    func delayReads(_ seconds: Double) { delay.withLock { $0 = seconds } }
+    public func delayReads(_ seconds: Double) { delay.withLock { $0 = seconds } }
 
     /// Each read reports this as its time to first byte (as the HTTP client does): a far server.
     private let firstByte = Mutex<Double?>(nil)
-    func reportFirstByte(_ seconds: Double) { firstByte.withLock { $0 = seconds } }
+    public func reportFirstByte(_ seconds: Double) { firstByte.withLock { $0 = seconds } }
     private let fastest = FastestAnswer()
-    var fastestFirstByte: Double? { fastest.seconds }
+    public var fastestFirstByte: Double? { fastest.seconds }
 
     private let metadataDelay = Mutex<Double>(0)
     /// Makes every list and metadata request take this long (a slow server), cancellable.
-    func delayAll(_ seconds: Double) { metadataDelay.withLock { $0 = seconds } }
+    public func delayAll(_ seconds: Double) { metadataDelay.withLock { $0 = seconds } }
 
     private func slowly(_ isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
         let end = Date().addingTimeInterval(metadataDelay.withLock { $0 })
@@ -40,14 +44,14 @@ final class MemoryStore: ObjectStore {
             usleep(5_000)
         }
     }
-    var bytesRead: Int { readBytes.withLock { $0 } }
+    public var bytesRead: Int { readBytes.withLock { $0 } }
 
     /// Answers `readStart` (as the Firebase v0 store does) once set; counts its calls.
     private let startReads = Mutex<Int?>(nil)
-    func answerReadStart() { startReads.withLock { $0 = 0 } }
-    var readStarts: Int { startReads.withLock { $0 ?? 0 } }
+    public func answerReadStart() { startReads.withLock { $0 = 0 } }
+    public var readStarts: Int { startReads.withLock { $0 ?? 0 } }
 
-    func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
+    public func readStart(_ name: String, into buffer: UnsafeMutableRawBufferPointer,
                    isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectStart? {
         guard startReads.withLock({ s -> Bool in
             guard let n = s else { return false }
@@ -63,27 +67,27 @@ final class MemoryStore: ObjectStore {
 
     /// A connection pool, simulated: nil (no pool) until `simulateConnections`.
     private let connections = Mutex<(count: Int, opened: Int)?>(nil)
-    func simulateConnections(_ count: Int) { connections.withLock { $0 = (count, 0) } }
+    public func simulateConnections(_ count: Int) { connections.withLock { $0 = (count, 0) } }
     /// `openConnection` calls so far.
-    var connectionsOpened: Int { connections.withLock { $0?.opened ?? 0 } }
-    var connectionCount: Int? { connections.withLock { $0?.count } }
-    func openConnection(forReading name: String, generation: Int64) {
+    public var connectionsOpened: Int { connections.withLock { $0?.opened ?? 0 } }
+    public var connectionCount: Int? { connections.withLock { $0?.count } }
+    public func openConnection(forReading name: String, generation: Int64) {
         connections.withLock { c in
             c?.count += 1
             c?.opened += 1
         }
     }
 
-    init(pageSize: Int = 1000) { self.pageSize = pageSize }
+    public init(pageSize: Int = 1000) { self.pageSize = pageSize }
 
-    var requests: Counts { counts.withLock { $0 } }
+    public var requests: Counts { counts.withLock { $0 } }
 
     /// `crc32c`: give the object its CRC32C in the metadata, as GCS does (base64, big-endian).
-    func put(_ name: String, _ bytes: [UInt8], generation: Int64 = 1, custom: [String: String] = [:], crc32c: Bool = false) {
+    public func put(_ name: String, _ bytes: [UInt8], generation: Int64 = 1, custom: [String: String] = [:], crc32c: Bool = false) {
         var m = ObjectMetadata(name: name, bucket: bucket, size: Int64(bytes.count), generation: generation,
                                updated: Timestamp(seconds: 1_700_000_000), contentType: "text/plain", custom: custom)
         if crc32c {
-            let crc = bytes.withUnsafeBytes { Checksum.crc32c($0) }
+            let crc = bytes.withUnsafeBytes { cchecksum_crc32c(0, $0.baseAddress, $0.count) }
             m.crc32c = Data([UInt8(crc >> 24), UInt8(crc >> 16 & 0xff), UInt8(crc >> 8 & 0xff), UInt8(crc & 0xff)]).base64EncodedString()
         }
         m.downloadTokens = custom["firebaseStorageDownloadTokens"].map { $0.split(separator: ",").map(String.init) } ?? []
@@ -91,15 +95,16 @@ final class MemoryStore: ObjectStore {
     }
 
     /// Deletes an object (as another client of the bucket would).
-    func remove(_ name: String) { _ = objects.withLock { $0.removeValue(forKey: name) } }
+    public func remove(_ name: String) { _ = objects.withLock { $0.removeValue(forKey: name) } }
 
-    func failAll(with error: StorageError?) { failure.withLock { $0 = error } }
+    public func failAll(with error: StorageError?) { failure.withLock { $0 = error } }
 
     private func check() throws(StorageError) {
         if let e = failure.withLock({ $0 }) { throw e }
     }
 
-    func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ListPage {
+    public func list(prefix: String, pageToken: String?, isCancelled: (@Sendable () -> Bool)?,
+                     connection: ConnectionClaim?) throws(StorageError) -> ListPage {
         counts.withLock { $0.list += 1 }
         try check()
         try slowly(isCancelled)
@@ -121,14 +126,14 @@ final class MemoryStore: ObjectStore {
         return ListPage(items: items, prefixes: prefixes.sorted(), nextPageToken: next)
     }
 
-    func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
+    public func hasChildren(prefix: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> Bool {
         counts.withLock { $0.list += 1 }
         try check()
         try slowly(isCancelled)
         return objects.withLock { $0.keys.contains { $0.hasPrefix(prefix) } }
     }
 
-    func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata {
+    public func metadata(of name: String, isCancelled: (@Sendable () -> Bool)?) throws(StorageError) -> ObjectMetadata {
         counts.withLock { $0.metadata += 1 }
         try check()
         try slowly(isCancelled)
@@ -137,8 +142,9 @@ final class MemoryStore: ObjectStore {
     }
 
     /// Takes the buffer after the read's delay, as the HTTP client takes it at the first byte.
-    func read(_ name: String, generation: Int64, offset: Int64, into target: RangeBuffer,
-              isCancelled: (@Sendable () -> Bool)?) throws(StorageError) {
+    @discardableResult
+    public func read(_ name: String, generation: Int64, offset: Int64, into target: RangeBuffer,
+                     isCancelled: (@Sendable () -> Bool)?, connection: ConnectionClaim?) throws(StorageError) -> ReadTiming {
         counts.withLock { $0.read += 1 }
         try check()
         let end = Date().addingTimeInterval(delay.withLock { $0 })
@@ -147,10 +153,8 @@ final class MemoryStore: ObjectStore {
             usleep(5_000)
         }
         readBytes.withLock { $0 += target.count }
-        if let f = firstByte.withLock({ $0 }) {
-            StorageTelemetry.lastFirstByte = f
-            fastest.note(f)
-        }
+        let reported = firstByte.withLock { $0 }
+        if let reported { fastest.note(reported) }
         guard let (m, bytes) = objects.withLock({ $0[name] }), m.generation == generation else {
             throw StorageError(.generationChanged, "gone", httpStatus: 404)
         }
@@ -166,9 +170,13 @@ final class MemoryStore: ObjectStore {
         }) {
             buffer[buffer.count / 2] ^= 0x10
         }
+        return ReadTiming(firstByte: reported ?? 0)
     }
 
-    func checkAccess(prefix: String) throws(StorageError) -> ListPage? {
+    /// No pool of connections to claim from.
+    public func claimIdleConnection() -> ConnectionClaim? { nil }
+
+    public func checkAccess(prefix: String) throws(StorageError) -> ListPage? {
         try check()
         return nil
     }
