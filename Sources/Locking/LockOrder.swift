@@ -48,8 +48,18 @@ public enum LockOrder {
     }
 
     /// About to take a lock of `level`: fails the process if a lock held comes at or after it.
-    @inline(__always)
+    /// Inlinable, like the lock types below: in a release build every lock's wrapper compiles
+    /// down to the lock itself in the caller's module (an unspecialised generic call per lock
+    /// through the module boundary is what a hot path would otherwise pay).
+    @inlinable @inline(__always)
     public static func willTake(_ level: LockLevel) {
+        #if DEBUG
+        checkAndPush(level)
+        #endif
+    }
+
+    @usableFromInline
+    static func checkAndPush(_ level: LockLevel) {
         #if DEBUG
         let h = held
         if let inner = h.levels.last, inner.rank >= level.rank {
@@ -61,16 +71,30 @@ public enum LockOrder {
 
     /// A lock was taken without waiting (`try`): it cannot deadlock, so it is not checked,
     /// but what is taken under it is.
-    @inline(__always)
+    @inlinable @inline(__always)
     public static func took(_ level: LockLevel) {
+        #if DEBUG
+        push(level)
+        #endif
+    }
+
+    @usableFromInline
+    static func push(_ level: LockLevel) {
         #if DEBUG
         held.levels.append(level)
         #endif
     }
 
     /// A lock of `level` was let go.
-    @inline(__always)
+    @inlinable @inline(__always)
     public static func released(_ level: LockLevel) {
+        #if DEBUG
+        pop(level)
+        #endif
+    }
+
+    @usableFromInline
+    static func pop(_ level: LockLevel) {
         #if DEBUG
         let h = held
         if let i = h.levels.lastIndex(where: { $0.rank == level.rank && $0.name == level.name }) { h.levels.remove(at: i) }
@@ -95,7 +119,7 @@ public enum LockOrder {
 
 /// A `Mutex` with its place in the lock order.
 public struct OrderedMutex<Value: ~Copyable>: ~Copyable, Sendable {
-    private let mutex: Mutex<Value>
+    @usableFromInline let mutex: Mutex<Value>
     public let level: LockLevel
 
     public init(_ level: LockLevel, _ value: consuming sending Value) {
@@ -103,6 +127,7 @@ public struct OrderedMutex<Value: ~Copyable>: ~Copyable, Sendable {
         mutex = Mutex(value)
     }
 
+    @inlinable
     public borrowing func withLock<Result: ~Copyable, E: Error>(
         _ body: (inout sending Value) throws(E) -> sending Result
     ) throws(E) -> sending Result {
@@ -114,28 +139,32 @@ public struct OrderedMutex<Value: ~Copyable>: ~Copyable, Sendable {
 
 /// An `NSLock` with its place in the lock order.
 public final class OrderedLock: @unchecked Sendable {
-    private let mutex = NSLock()
+    @usableFromInline let mutex = NSLock()
     public let level: LockLevel
 
     public init(_ level: LockLevel) { self.level = level }
 
+    @inlinable
     public func lock() {
         LockOrder.willTake(level)
         mutex.lock()
     }
 
     /// Takes the lock if it is free; true if taken (then `unlock` it).
+    @inlinable
     public func `try`() -> Bool {
         guard mutex.try() else { return false }
         LockOrder.took(level)
         return true
     }
 
+    @inlinable
     public func unlock() {
         mutex.unlock()
         LockOrder.released(level)
     }
 
+    @inlinable
     public func withLock<T, E: Error>(_ body: () throws(E) -> T) throws(E) -> T {
         self.lock()
         defer { unlock() }
@@ -146,29 +175,34 @@ public final class OrderedLock: @unchecked Sendable {
 /// An `NSCondition` with its place in the lock order. Waiting lets the lock go and takes it
 /// back; the order is checked when it is first taken.
 public final class OrderedCondition: @unchecked Sendable {
-    private let condition = NSCondition()
+    @usableFromInline let condition = NSCondition()
     public let level: LockLevel
 
     public init(_ level: LockLevel) { self.level = level }
 
+    @inlinable
     public func lock() {
         LockOrder.willTake(level)
         condition.lock()
     }
 
+    @inlinable
     public func unlock() {
         condition.unlock()
         LockOrder.released(level)
     }
 
+    @inlinable
     public func wait() { condition.wait() }
 
     /// False when `date` passed first.
-    @discardableResult
+    @inlinable @discardableResult
     public func wait(until date: Date) -> Bool { condition.wait(until: date) }
 
+    @inlinable
     public func signal() { condition.signal() }
 
+    @inlinable
     public func broadcast() { condition.broadcast() }
 }
 
