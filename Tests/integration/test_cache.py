@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from storefs_testlib import BUCKET, default_signals, is_mounted, vm_kib
+from storefs_testlib import BUCKET, default_signals, is_mounted, run_storefs, vm_kib
 from storefs_testlib import read_whole as read_file
 
 CB = "cache-bucket"
@@ -582,6 +582,31 @@ def test_full_cache_disk_degrades_to_streaming(mount, corpus):
         # writes left on it is let go when the files are closed, so the disk's use at the end
         # says nothing: test_allocation_that_runs_out_of_disk_is_let_go_at_close.)
         assert "block cache paused" in m.stderr(), "no cache write failed on the 2 MiB disk: never full?"
+
+
+def test_cache_disk_full_at_mount_refuses_with_one_line_instead_of_crashing(mount, corpus):
+    """The state the mounts of a cache share (`mounts-v1/shared`) is a mapped file: a store
+    into a page of it that has no disk block, on a full filesystem, is a SIGBUS that killed the
+    daemon (at mount here; mid-read, at an index write, when the blocks had filled the disk).
+    A mount allocates those pages first: on a cache disk with no room it is refused with one
+    line naming the file and the fix, before daemonizing, and nothing is left mounted."""
+    tmpfs = lambda d: [["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", d]]
+    with small_disk(mount, "fullfs", tmpfs) as full:
+        with open(os.path.join(full, "filler"), "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (64 * KiB))
+                    f.flush()
+        assert os.statvfs(full).f_bavail == 0, "the disk is not full: nothing tested"
+        mnt = mount.new_dir("mnt")
+        argv, _ = mount.argv(BUCKET, mnt, endpoint=None, foreground=False, cache_dir=full)
+        mount.adopt(mnt, full)   # teardown cleans up if storefs mounts anyway
+        r = run_storefs(argv, timeout=60)
+        lines = r.stderr.splitlines()
+        assert r.returncode > 0, f"exit {r.returncode} (a negative one is a signal): {r.stderr[-2000:]!r}"
+        assert len(lines) == 1 and lines[0].startswith("storefs: "), f"want one 'storefs: ' line, got {r.stderr[-2000:]!r}"
+        assert "mounts-v1/shared" in lines[0] and "No space left" in lines[0] and "cache_dir=" in lines[0], lines[0]
+        assert not is_mounted(mnt)
 
 
 FILL = "fill/random-64MiB.bin"
