@@ -160,42 +160,47 @@ uint32_t cchecksum_crc32c_portable(uint32_t crc, const void *buf, size_t len) {
     return ~crc32c_soft(~crc, (const uint8_t *)buf, len);
 }
 
-/* Appends `len` zero bytes to `crc` for any len (zlib's crc32_combine loop: one operator per
- * set bit of len). zeros_operator above serves only the powers of two of the 3-stream CRC. */
-static uint32_t shift_any(uint32_t crc, size_t len) {
-    uint32_t even[32], odd[32];
-    odd[0] = 0x82F63B78u;
-    uint32_t row = 1;
-    for (int n = 1; n < 32; n++) {
-        odd[n] = row;
-        row <<= 1;
+/* Combining CRCs without the bytes: appending n zero bytes to a CRC multiplies it by
+ * x^(8n) modulo the polynomial, in the bit-reflected representation the CRC lives in (bit 31
+ * is x^0). So the operator of a length is one 32-bit value, built from the table of
+ * x^(2^k) by the bits of 8n, and applying it is one multiplication: about 32 steps each.
+ * (The operator built as a 32x32 matrix, as zlib's crc32_combine once did, cost ~1 ms a call:
+ * most of the daemon's CPU with 16 readers of small files.) */
+static uint32_t x2k[64]; /* x^(2^k) mod P */
+static pthread_once_t x2k_once = PTHREAD_ONCE_INIT;
+
+/* a * b modulo P, both reflected. */
+static uint32_t mul_mod_p(uint32_t a, uint32_t b) {
+    uint32_t product = 0;
+    for (uint32_t m = 1u << 31; m != 0 && a != 0; m >>= 1) {
+        if (a & m) {
+            product ^= b;
+            a ^= m;
+        }
+        b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1; /* b * x */
     }
-    gf2_square(even, odd);
-    gf2_square(odd, even);
-    do {
-        gf2_square(even, odd);
-        if (len & 1) crc = gf2_times(even, crc);
-        len >>= 1;
-        if (len == 0) break;
-        gf2_square(odd, even);
-        if (len & 1) crc = gf2_times(odd, crc);
-        len >>= 1;
-    } while (len);
-    return crc;
+    return product;
 }
 
-/* The operator matrix of shift_any(·, len): its columns are the shifted basis vectors. */
-static void shift_operator(uint32_t *op, size_t len) {
-    for (int n = 0; n < 32; n++) op[n] = shift_any(1u << n, len);
+static void init_x2k(void) {
+    x2k[0] = 1u << 30; /* x^1 */
+    for (int k = 1; k < 64; k++) x2k[k] = mul_mod_p(x2k[k - 1], x2k[k - 1]);
+}
+
+/* x^(8 * len) mod P: the operator that appends len zero bytes. */
+static uint32_t zeros_op(size_t len) {
+    pthread_once(&x2k_once, init_x2k);
+    uint32_t op = 1u << 31; /* x^0 */
+    for (int k = 3; len != 0; len >>= 1, k++)
+        if (len & 1) op = mul_mod_p(x2k[k & 63], op);
+    return op;
 }
 
 uint32_t cchecksum_crc32c_combine(const uint32_t *crcs, size_t count, size_t block_len, size_t last_len) {
     if (count == 0) return 0;
-    uint32_t op[32], last_op[32];
-    shift_operator(op, block_len);
-    shift_operator(last_op, last_len);
+    uint32_t op = zeros_op(block_len), last_op = zeros_op(last_len);
     uint32_t crc = crcs[0];
-    for (size_t i = 1; i < count; i++) crc = gf2_times(i == count - 1 ? last_op : op, crc) ^ crcs[i];
+    for (size_t i = 1; i < count; i++) crc = mul_mod_p(i == count - 1 ? last_op : op, crc) ^ crcs[i];
     return crc;
 }
 

@@ -22,6 +22,23 @@ import StorefsTestSupport
         #expect(Checksum.crc32c(combining: crcs, blockLength: block, lastLength: last) == bytes.withUnsafeBytes { Checksum.crc32c($0) })
     }
 
+    /// Pieces of any length, not only the cache's power-of-two blocks, combine to the CRC of
+    /// the whole (the operator of a length is built from its bits: each bit is exercised).
+    @Test(arguments: [1, 3, 8, 255, 4096, 5_000, 65_537, (1 << 20) + 3])
+    func combinedCRCsOfPiecesOfAnyLength(piece: Int) {
+        for count in [1, 2, 5] {
+            let last = max(1, piece / 3 + 1)
+            let size = piece * (count - 1) + last
+            let bytes = pattern(size, seed: UInt8(truncatingIfNeeded: piece))
+            let crcs = (0..<count).map { i in
+                let at = i * piece, n = i == count - 1 ? last : piece
+                return bytes.withUnsafeBytes { Checksum.crc32c(UnsafeRawBufferPointer(rebasing: $0[at..<(at + n)])) }
+            }
+            #expect(Checksum.crc32c(combining: crcs, blockLength: piece, lastLength: last) == bytes.withUnsafeBytes { Checksum.crc32c($0) },
+                    "\(count) pieces of \(piece) bytes, the last \(last)")
+        }
+    }
+
     @Test func crc32cFromTheAPIsBase64() {
         // "123456789" has CRC32C e3069283; GCS writes it as base64 of the big-endian bytes.
         #expect(Checksum.crc32c(base64: "4waSgw==") == 0xE306_9283)
