@@ -609,6 +609,31 @@ def test_cache_disk_full_at_mount_refuses_with_one_line_instead_of_crashing(moun
         assert not is_mounted(mnt)
 
 
+def test_manifest_index_on_a_cache_disk_that_fills_fails_the_mount_in_one_line(mount, tmp_path):
+    """A manifest's index is built in cache_dir, its tables written through a `MAP_SHARED`
+    mapping of the file: on a cache disk with room for the names and the build's scratch file
+    but not for the tables, a store into the map was a SIGBUS. The pages are allocated first,
+    so the mount is refused with one line that names the index and the disk's error."""
+    n = 20_000   # names ~120 KiB, scratch records 44 bytes each, tables 40 bytes each
+    manifest = tmp_path / "m.csv"
+    with open(manifest, "w") as f:
+        f.write("name,size,generation\n")
+        for i in range(n):
+            f.write(f"d/f{i:05d},1,1\n")
+    tmpfs = lambda d: [["mount", "-t", "tmpfs", "-o", "size=1280K,mode=0700", "tmpfs", d]]
+    with small_disk(mount, "mffs", tmpfs) as small:
+        mnt = mount.new_dir("mnt")
+        argv, _ = mount.argv(BUCKET, mnt, endpoint=None, foreground=False, cache_dir=small,
+                             options=[f"manifest={manifest}"])
+        mount.adopt(mnt, small)
+        r = run_storefs(argv, timeout=120)
+        lines = r.stderr.splitlines()
+        assert r.returncode > 0, f"exit {r.returncode} (a negative one is a signal): {r.stderr[-2000:]!r}"
+        assert len(lines) == 1 and lines[0].startswith("storefs: "), f"want one 'storefs: ' line, got {r.stderr[-2000:]!r}"
+        assert "manifest index" in lines[0] and "No space left" in lines[0] and "cache_dir=" in lines[0], lines[0]
+        assert not is_mounted(mnt)
+
+
 FILL = "fill/random-64MiB.bin"
 
 

@@ -118,11 +118,9 @@ final class SharedCache: @unchecked Sendable {
             throw Refused(message: "cannot map \(directory.versionPath)/\(Self.stateName): \(why)")
         }
         // Every page this mount will store into is given its disk now, before the first
-        // store: a store into a hole of a mapped file on a full filesystem is a SIGBUS, not an
-        // error (a 2 MiB tmpfs cache_dir filled with blocks killed the daemon at an index
-        // write). The header and slot records here, this mount's bucket counters once it has a
-        // slot; the other slots' pages are their mounts' to allocate.
-        if let why = Self.allocate(fd, 0, Self.bucketTable, fresh: fresh) {
+        // store (`MappedFile`): the header and slot records here, this mount's bucket
+        // counters once it has a slot; the other slots' pages are their mounts' to allocate.
+        if let why = MappedFile.allocate(fd, 0, Self.bucketTable, zeroFill: fresh) {
             munmap(mapped, Self.stateSize)
             Glibc.close(fd)
             throw Refused(message: Self.noRoom(cacheDirectory, why))
@@ -147,7 +145,7 @@ final class SharedCache: @unchecked Sendable {
             Glibc.close(fd)
             throw Refused(message: "cache_dir \(cacheDirectory) is shared by \(Self.slotCount) storefs mounts already: give this one another cache_dir=")
         }
-        if let why = Self.allocate(fd, Self.bucketTable + claimed.slot * Self.bucketStride, Self.bucketStride, fresh: true) {
+        if let why = MappedFile.allocate(fd, Self.bucketTable + claimed.slot * Self.bucketStride, Self.bucketStride, zeroFill: true) {
             Glibc.close(claimed.fd)
             munmap(mapped, Self.stateSize)
             Glibc.close(fd)
@@ -187,31 +185,6 @@ final class SharedCache: @unchecked Sendable {
         munmap(base, Self.stateSize)
         Glibc.close(stateFD)
         Glibc.close(slotFD)  // lets the slot go
-    }
-
-    /// Gives `length` bytes of `fd` at `offset` their disk blocks; nil when done, else why
-    /// not. Where the filesystem has no `fallocate`, a range nobody else writes yet (`fresh`:
-    /// laid out afresh under the join lock, or this mount's own slot row) is written with
-    /// zeros where it reads as zeros, which allocates it as well; a range others write was
-    /// written so by the mount that laid it out.
-    private static func allocate(_ fd: Int32, _ offset: Int, _ length: Int, fresh: Bool) -> String? {
-        if cblockcache_allocate(fd, off_t(offset), off_t(length)) == 0 { return nil }
-        let err = errno
-        guard err == EOPNOTSUPP || err == ENOSYS else { return String(cString: strerror(err)) }
-        guard fresh else { return nil }
-        var page = [UInt8](repeating: 0, count: 4096)
-        var at = offset
-        while at < offset + length {
-            let n = min(page.count, offset + length - at)
-            let got = page.withUnsafeMutableBytes { pread(fd, $0.baseAddress, n, off_t(at)) }
-            guard got == n else { return got < 0 ? String(cString: strerror(errno)) : "short read" }
-            if page[0..<n].allSatisfy({ $0 == 0 }) {
-                let put = page.withUnsafeBytes { pwrite(fd, $0.baseAddress, n, off_t(at)) }
-                guard put == n else { return put < 0 ? String(cString: strerror(errno)) : "short write" }
-            }
-            at += n
-        }
-        return nil
     }
 
     private static func noRoom(_ cacheDirectory: String, _ why: String) -> String {

@@ -108,7 +108,7 @@ public struct ManifestIndexBuilder {
         stats.rows = parsed.rows
         stats.deleted = parsed.deleted
         try runs.merge { (k, p) throws(ManifestError) in try tree.add(k, p) }
-        try tree.finish(identity: identity)
+        try tree.finish(identity: identity, in: directory.versionPath)
         stats.files = tree.files
         stats.directories = tree.directoryCount
         stats.duplicates = tree.duplicates
@@ -503,7 +503,7 @@ private final class TreeWriter {
     }
 
     /// Writes the directory and child tables, the checksums and the header.
-    func finish(identity: [UInt8]) throws(ManifestError) {
+    func finish(identity: [UInt8], in place: String) throws(ManifestError) {
         if let p = pending {
             try emit(p)
             pending = nil
@@ -515,6 +515,10 @@ private final class TreeWriter {
         let size = Int(header.fileSize)
         guard ftruncate(output, off_t(size)) == 0 else {
             throw ManifestError("cannot size the manifest index (\(size) bytes): \(String(cString: strerror(errno)))")
+        }
+        // The tables are written through the map: their pages get their disk first (`MappedFile`).
+        if let why = MappedFile.allocate(output, 0, size, zeroFill: true) {
+            throw ManifestError("cannot allocate the manifest index (\(size) bytes) in \(place): \(why): free space there or give another cache_dir=")
         }
         guard let map = mmap(nil, size, PROT_READ | PROT_WRITE, MAP_SHARED, output, 0), map != MAP_FAILED else {
             throw ManifestError("cannot map the manifest index: \(String(cString: strerror(errno)))")
