@@ -584,6 +584,21 @@ def test_full_cache_disk_degrades_to_streaming(mount, corpus):
         assert "block cache paused" in m.stderr(), "no cache write failed on the 2 MiB disk: never full?"
 
 
+def refused_in_one_line(mount, cache_dir: str, options=()) -> str:
+    """Runs a daemonizing mount that must be refused before it daemonizes: a positive exit
+    (a negative one is a signal: a crash), exactly one `storefs: ` line, nothing mounted.
+    Returns the line."""
+    mnt = mount.new_dir("mnt")
+    argv, _ = mount.argv(BUCKET, mnt, endpoint=None, foreground=False, cache_dir=cache_dir, options=options)
+    mount.adopt(mnt, cache_dir)   # teardown cleans up if storefs mounts anyway
+    r = run_storefs(argv, timeout=120)
+    lines = r.stderr.splitlines()
+    assert r.returncode > 0, f"exit {r.returncode} (a negative one is a signal): {r.stderr[-2000:]!r}"
+    assert len(lines) == 1 and lines[0].startswith("storefs: "), f"want one 'storefs: ' line, got {r.stderr[-2000:]!r}"
+    assert not is_mounted(mnt)
+    return lines[0]
+
+
 def test_cache_disk_full_at_mount_refuses_with_one_line_instead_of_crashing(mount, corpus):
     """The state the mounts of a cache share (`mounts-v1/shared`) is a mapped file: a store
     into a page of it that has no disk block, on a full filesystem, is a SIGBUS that killed the
@@ -598,15 +613,8 @@ def test_cache_disk_full_at_mount_refuses_with_one_line_instead_of_crashing(moun
                     f.write(b"\0" * (64 * KiB))
                     f.flush()
         assert os.statvfs(full).f_bavail == 0, "the disk is not full: nothing tested"
-        mnt = mount.new_dir("mnt")
-        argv, _ = mount.argv(BUCKET, mnt, endpoint=None, foreground=False, cache_dir=full)
-        mount.adopt(mnt, full)   # teardown cleans up if storefs mounts anyway
-        r = run_storefs(argv, timeout=60)
-        lines = r.stderr.splitlines()
-        assert r.returncode > 0, f"exit {r.returncode} (a negative one is a signal): {r.stderr[-2000:]!r}"
-        assert len(lines) == 1 and lines[0].startswith("storefs: "), f"want one 'storefs: ' line, got {r.stderr[-2000:]!r}"
-        assert "mounts-v1/shared" in lines[0] and "No space left" in lines[0] and "cache_dir=" in lines[0], lines[0]
-        assert not is_mounted(mnt)
+        line = refused_in_one_line(mount, full)
+        assert "mounts-v1/shared" in line and "No space left" in line and "cache_dir=" in line, line
 
 
 def test_manifest_index_on_a_cache_disk_that_fills_fails_the_mount_in_one_line(mount, tmp_path):
@@ -622,16 +630,8 @@ def test_manifest_index_on_a_cache_disk_that_fills_fails_the_mount_in_one_line(m
             f.write(f"d/f{i:05d},1,1\n")
     tmpfs = lambda d: [["mount", "-t", "tmpfs", "-o", "size=1280K,mode=0700", "tmpfs", d]]
     with small_disk(mount, "mffs", tmpfs) as small:
-        mnt = mount.new_dir("mnt")
-        argv, _ = mount.argv(BUCKET, mnt, endpoint=None, foreground=False, cache_dir=small,
-                             options=[f"manifest={manifest}"])
-        mount.adopt(mnt, small)
-        r = run_storefs(argv, timeout=120)
-        lines = r.stderr.splitlines()
-        assert r.returncode > 0, f"exit {r.returncode} (a negative one is a signal): {r.stderr[-2000:]!r}"
-        assert len(lines) == 1 and lines[0].startswith("storefs: "), f"want one 'storefs: ' line, got {r.stderr[-2000:]!r}"
-        assert "manifest index" in lines[0] and "No space left" in lines[0] and "cache_dir=" in lines[0], lines[0]
-        assert not is_mounted(mnt)
+        line = refused_in_one_line(mount, small, options=[f"manifest={manifest}"])
+        assert "manifest index" in line and "No space left" in line and "cache_dir=" in line, line
 
 
 FILL = "fill/random-64MiB.bin"
