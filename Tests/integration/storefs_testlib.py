@@ -825,11 +825,12 @@ class MountManager:
                 problems.append(f"cleanup of {m.path} failed: {exc!r}")
         for m in self.mounts:
             # Captured output, shown by pytest only when the test failed: a daemon that died
-            # (ENOTCONN in the test) says why here, after its directory is gone.
+            # (ENOTCONN in the test) says why here, after its directory is gone. Its last
+            # lines: a crash's backtrace comes last.
             lines = m.stderr().splitlines()
-            shown = lines[:300]
-            if shown:
-                print(f"--- storefs stderr, {m.path} ({len(shown)} of {len(lines)} lines):", *shown, sep="\n")
+            if lines:
+                print(f"--- storefs stderr, {m.path} (last {min(300, len(lines))} of {len(lines)} lines):",
+                      *lines[-300:], sep="\n")
         if not any(is_mounted(m.path) for m in self.mounts):
             shutil.rmtree(self.tmp, ignore_errors=True)
         if self.watchdog_fired:

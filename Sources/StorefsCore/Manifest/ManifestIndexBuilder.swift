@@ -516,8 +516,11 @@ private final class TreeWriter {
         guard ftruncate(output, off_t(size)) == 0 else {
             throw ManifestError("cannot size the manifest index (\(size) bytes): \(String(cString: strerror(errno)))")
         }
-        // The tables are written through the map: their pages get their disk first (`MappedFile`).
-        if let why = MappedFile.allocate(output, 0, size, zeroFill: true) {
+        // The header and the tables are written through the map (the blob between them was
+        // written already): their pages get their disk first (`MappedFile`).
+        let tables = Int(header.directoriesOffset)
+        if let why = MappedFile.allocate(output, 0, ManifestIndexFormat.headerSize, zeroFill: true)
+            ?? MappedFile.allocate(output, tables, size - tables, zeroFill: true) {
             throw ManifestError("cannot allocate the manifest index (\(size) bytes) in \(place): \(why): free space there or give another cache_dir=")
         }
         guard let map = mmap(nil, size, PROT_READ | PROT_WRITE, MAP_SHARED, output, 0), map != MAP_FAILED else {
