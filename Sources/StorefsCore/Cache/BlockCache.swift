@@ -418,10 +418,12 @@ public final class BlockCache: Sendable {
         if first { Log.warn("block cache paused for \(Int(Self.degradedSeconds))s, reads stream uncached: \(why)") }
     }
 
-    /// The object of a file just made: its header and index pages count against the cap.
-    private func fresh(format: CacheFileFormat, hex: String) -> CachedObject {
+    /// The object of a file just made, given the descriptor it was made with (`adopt`s it once
+    /// a user holds it): its header and index pages count against the cap.
+    private func fresh(format: CacheFileFormat, hex: String, fd: Int32, inode: ino_t) -> CachedObject {
         let object = CachedObject(cache: self, format: format, hex: hex, path: path(forHex: hex),
-                                  index: BlockIndex(count: format.blockCount, tick: tick()), inode: files.identity(hex) ?? 0)
+                                  index: BlockIndex(count: format.blockCount, tick: tick()), inode: inode)
+        object.madeWith(fd: fd)
         shared.add(object.overheadBytes)
         return object
     }
@@ -432,15 +434,15 @@ public final class BlockCache: Sendable {
             made = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize)
         }
         switch made {
-        case .created:
-            return fresh(format: format, hex: hex)
+        case .created(let fd, let inode):
+            return fresh(format: format, hex: hex, fd: fd, inode: inode)
         case .exists:
             // Another mount made it first: it is used as that mount left it, unless it is not
             // a valid file for this object (then it is replaced, as nobody can be using it).
             if let existing = adopt(hex, insert: false), existing.format == format { return existing }
-            if case .created = files.createFile(hex, header: format.encodeHeader(), size: format.dataOffset + format.objectSize,
-                                                replace: true) {
-                return fresh(format: format, hex: hex)
+            if case .created(let fd, let inode) = files.createFile(hex, header: format.encodeHeader(),
+                                                                   size: format.dataOffset + format.objectSize, replace: true) {
+                return fresh(format: format, hex: hex, fd: fd, inode: inode)
             }
             return nil
         case .failed(let why, outOfDescriptors: true):

@@ -133,10 +133,15 @@ final class CacheDirectory: Sendable {
     /// ours. A link or file in its place is unlinked (and, when creating, replaced).
     private func shard(_ hex: String, create: Bool) -> Int32? {
         let name = String(hex.prefix(2))
-        for _ in 0..<2 {
-            if create, mkdirat(versionFD, name, 0o700) != 0, errno != EEXIST { return nil }
+        for _ in 0..<3 {
+            // Opened first: a shard exists for all but a cache's first files, and a mkdirat
+            // that finds it costs a path walk per file made.
             let fd = openat(versionFD, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
             guard fd >= 0 else {
+                if errno == ENOENT, create {
+                    if mkdirat(versionFD, name, 0o700) != 0, errno != EEXIST { return nil }
+                    continue
+                }
                 guard errno == ELOOP || errno == ENOTDIR else { return nil }
                 unlinkat(versionFD, name, 0)
                 if create { continue }
@@ -213,7 +218,10 @@ final class CacheDirectory: Sendable {
     }
 
     enum Creation {
-        case created
+        /// The new file, open for reading and writing with a shared `flock` (held since before
+        /// it had its name, as `openFile` holds one), and its inode number: its maker uses this
+        /// descriptor instead of opening the file again (`CachedObject.adopt`).
+        case created(fd: Int32, inode: ino_t)
         /// Another process made it first (shared caches): open that one.
         case exists
         /// `outOfDescriptors`: the process (EMFILE) or the system (ENFILE) had no descriptor to
@@ -223,7 +231,7 @@ final class CacheDirectory: Sendable {
 
     /// Writes a new cache file (`header`, then sized to `size`) under a temporary name and
     /// renames it into place, never over a file another process made meanwhile (`.exists`)
-    /// unless `replace` (a damaged one).
+    /// unless `replace` (a damaged one). `.created` hands over the open descriptor.
     func createFile(_ hex: String, header: [UInt8], size: Int64, replace: Bool = false) -> Creation {
         guard let dir = shard(hex, create: true) else {
             let full = errno == EMFILE || errno == ENFILE
@@ -234,12 +242,14 @@ final class CacheDirectory: Sendable {
         let temp = "\(final).tmp\(getpid())-\(UInt32.random(in: 0...UInt32.max))"
         let fd = openat(dir, temp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
         guard fd >= 0 else { return .failed("cannot create a cache file: \(errnoText())", outOfDescriptors: errno == EMFILE || errno == ENFILE) }
-        defer { close(fd) }
+        var st = stat()
+        // Shared before the name exists: from then on other mounts see the file in use.
         let ok = header.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) } == header.count
-            && ftruncate(fd, off_t(size)) == 0
+            && ftruncate(fd, off_t(size)) == 0 && fstat(fd, &st) == 0 && flock(fd, LOCK_SH | LOCK_NB) == 0
         guard ok else {
             let why = errnoText()
             unlinkat(dir, temp, 0)
+            close(fd)
             return .failed("cannot write a cache file: \(why)", outOfDescriptors: false)
         }
         let renamed = replace ? renameat(dir, temp, dir, final) : cblockcache_rename_noreplace(dir, temp, dir, final)
@@ -247,9 +257,10 @@ final class CacheDirectory: Sendable {
             let exists = errno == EEXIST
             let why = errnoText()
             unlinkat(dir, temp, 0)
+            close(fd)
             return exists ? .exists : .failed("cannot write a cache file: \(why)", outOfDescriptors: false)
         }
-        return .created
+        return .created(fd: fd, inode: st.st_ino)
     }
 
     /// Removes the cache file of `hex` (the name only: a link is never followed).

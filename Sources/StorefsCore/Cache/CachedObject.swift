@@ -55,6 +55,9 @@ final class CachedObject: Sendable {
         /// The file's allocation was checked against its blocks since this mount opened it
         /// (`trimAllocation`).
         var allocationChecked = false
+        /// The descriptor this mount made the file with (`CacheDirectory.createFile`), until
+        /// `prepare` takes it: a file just made is not opened again, and has nothing to trim.
+        var madeFD: Int32 = -1
         /// Entries set in memory and not yet written to the index on disk: what this mount
         /// adds when an index page is merged with the disk's in a shared cache
         /// (`writeEntryPages`), and what it keeps when it takes in what other mounts wrote.
@@ -173,14 +176,21 @@ final class CachedObject: Sendable {
 
     /// `open`'s second half, once per mount: the file is opened, and if no other mount has it
     /// open, what a killed mount left allocated beyond its blocks goes (`trimAllocation`, by
-    /// the index on disk in a shared cache, as other mounts may have stored blocks since).
+    /// the index on disk in a shared cache, as other mounts may have stored blocks since). A
+    /// file this mount just made keeps the descriptor it was made with (`madeWith`).
     func prepare() {
-        let first = state.withLock { s -> Bool in
-            guard !s.allocationChecked else { return false }
+        let (first, made) = state.withLock { s -> (Bool, Int32) in
+            guard !s.allocationChecked else { return (false, -1) }
             s.allocationChecked = true
-            return true
+            defer { s.madeFD = -1 }
+            return (true, s.madeFD)
         }
-        guard first, let (fd, alone) = cache.files.openFile(hex, tryAlone: true) else { return }
+        guard first else { return }
+        if made >= 0 {
+            install(made)
+            return
+        }
+        guard let (fd, alone) = cache.files.openFile(hex, tryAlone: true) else { return }
         let same = Self.inode(of: fd) == inode
         let disk = alone && same && cache.shared.isShared ? Self.readIndex(fd: fd, format: format) : nil
         let installed = state.withLock { s -> Bool in
@@ -191,6 +201,26 @@ final class CachedObject: Sendable {
             return true
         }
         if alone { CacheDirectory.share(fd) }
+        noteInstalled(installed, fd)
+    }
+
+    /// The file was just made by this mount with `fd` (open, holding its shared lock): `prepare`
+    /// uses it.
+    func madeWith(fd: Int32) {
+        state.withLock { $0.madeFD = fd }
+    }
+
+    /// `fd` becomes the file's descriptor if it has none and a user holds the object.
+    private func install(_ fd: Int32) {
+        let installed = state.withLock { s -> Bool in
+            guard s.fd < 0, s.users > 0 else { return false }
+            s.fd = fd
+            return true
+        }
+        noteInstalled(installed, fd)
+    }
+
+    private func noteInstalled(_ installed: Bool, _ fd: Int32) {
         if installed {
             lastUsed.store(cache.tick(), ordering: .relaxed)
             cache.noteOpened(self)
