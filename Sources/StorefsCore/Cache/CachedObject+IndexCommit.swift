@@ -232,7 +232,10 @@ extension CachedObject {
             return !s.indexAllocated
         }
         let out = direct >= 0 ? direct : fd
-        if allocate { SparseFile.allocate(out, offset: 0, length: min(format.dataOffset, overheadBytes)) }
+        // Not when this write covers every page the allocation would (a small object's one
+        // index page): a write of whole pages allocates them itself.
+        let counted = min(format.dataOffset, overheadBytes)
+        if allocate, from > 0 || Int64(to) < counted { SparseFile.allocate(out, offset: 0, length: counted) }
         indexWriteCount.add(1, ordering: .relaxed)
         guard pwrite(out, pages.baseAddress, pages.count, off_t(from)) == pages.count else { return false }
         state.withLock { s in
