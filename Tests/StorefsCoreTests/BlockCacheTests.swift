@@ -187,7 +187,11 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         let o = try #require(cache.acquire(endpoint: "e", meta: m))
         let buffer = aligned(bytes)
         defer { buffer.deallocate() }
-        o.store(first: 0, UnsafeRawBufferPointer(buffer))
+        // In two parts, as a file fetched in parts is stored (the whole object at once goes
+        // through the page cache: `anObjectStoredWholeGoesThroughThePageCache`).
+        let part = 4 * (16 << 10)
+        o.store(first: 0, UnsafeRawBufferPointer(rebasing: buffer[0..<part]))
+        o.store(first: 4, UnsafeRawBufferPointer(rebasing: buffer[part...]))
         // Only the partial last block (its page) may be in the page cache after a direct write.
         let pages = residentPages(o.path, offset: o.format.dataOffset, length: 98_304)
         #expect(pages.count == 24)
@@ -197,6 +201,28 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
             #expect(pages.allSatisfy { $0 })
         }
         // Either way the bytes read back are those stored, and their checks pass.
+        var whole = [UInt8](repeating: 0, count: bytes.count)
+        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
+        #expect(whole == bytes)
+        cache.release(o)
+    }
+
+    /// A file fetched whole (`BlockReader.Config.wholeObjectLimit`) is stored in one call: its
+    /// data goes through the page cache even where direct writes are on, as a direct write per
+    /// small file waits for the disk and costs more than the copy (docs/architecture.md,
+    /// "Cache writes").
+    @Test func anObjectStoredWholeGoesThroughThePageCache() throws {
+        var m = meta
+        m.size = 103_400
+        let bytes = pattern(Int(m.size), seed: 4)
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10, directWrites: true)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        let buffer = aligned(bytes)
+        defer { buffer.deallocate() }
+        o.store(first: 0, UnsafeRawBufferPointer(buffer))
+        let pages = residentPages(o.path, offset: o.format.dataOffset, length: 98_304)
+        #expect(pages.count == 24)
+        #expect(pages.allSatisfy { $0 }, "a whole object went past the page cache: \(pages.filter { !$0 }.count) of 24 pages not resident")
         var whole = [UInt8](repeating: 0, count: bytes.count)
         #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
         #expect(whole == bytes)

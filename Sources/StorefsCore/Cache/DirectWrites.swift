@@ -3,7 +3,8 @@ internal import CBlockCache
 
 /// How cache data reaches the disk (`cache_io=`).
 public enum CacheIO: String, Sendable {
-    /// Past the page cache where the filesystem allows (the default; `DirectWrites`).
+    /// Past the page cache where the filesystem allows (the default; `DirectWrites`), but
+    /// for objects of at most 4 MiB stored whole (files fetched whole).
     case direct
     /// Through the page cache: the cache files' pages stay in memory for the next mount's
     /// reads, as long as the kernel keeps them, beside the mounted files' own.
@@ -18,7 +19,10 @@ public enum CacheIO: String, Sendable {
 /// single cost on a cold read (a third of its CPU here). A direct write hands the download
 /// buffer to the disk as it is. Where a write cannot go direct (the filesystem refuses
 /// O_DIRECT, a buffer or offset is not aligned, the object's last partial block) it is
-/// buffered as before: the bytes on disk are the same either way.
+/// buffered as before: the bytes on disk are the same either way. An object of at most 4 MiB
+/// stored whole in one call (a small file fetched whole) is written buffered on purpose: there the direct
+/// write's wait for the disk and its allocation cost more than the copy
+/// (`CachedObject.store`).
 enum DirectWrites {
     /// Offsets, lengths and buffer addresses of direct writes are multiples of this: a
     /// device's logical block (512 or 4096 bytes) divides it.
