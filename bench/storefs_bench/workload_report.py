@@ -162,6 +162,11 @@ def print_extras(base: dict, extra: dict, mmap_mib: int) -> None:
                 cells.append(f"{system} {fmt(sent, 'MiB')} MiB sent for {fmt(touched, 'MiB')} MiB read"
                              + (f" ({partial} run(s) stopped at the {MMAP_BUDGET_S:.0f} s budget)" if partial else ""))
             print(f"mmap of {mmap_mib} MiB, {threads} thread(s): " + "; ".join(cells))
+    cf = [median_or_none(base.get(k, [])) for k in ("wl_cachefiles_s", "wl_cachefiles_cpu_s", "wl_cachefiles_host_cpu_s")]
+    if None not in cf:
+        print(f"disk: the {FILES_N} files written into a file each on the cache dirs' filesystem (made under a "
+              f"temporary name, one buffered write, renamed; then sync): {cf[0]:.2f} s, {cf[1]:.2f} CPU-s in the "
+              f"writer, {cf[2]:.2f} CPU-s on the host: the least a cache of a file per object adds to the files row")
     d99 = median_or_none(base.get("wl_disk_p99", []))
     if d99 is not None:
         print(f"disk: {DISK_BLOCK // KIB} KiB O_DIRECT read p99 {d99:.0f} µs")

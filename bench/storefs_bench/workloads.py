@@ -253,10 +253,12 @@ class Workloads:
     # ------------------------------------------------------------------ baselines
     def measure_baselines(self, base: dict, extra: dict, run_i: int, link, errors: list) -> None:
         """The ceilings of one run: the files over 16 keep-alive connections, curl-N of the mmap
-        object, and the disk's O_DIRECT 16 KiB read."""
+        object, the disk's O_DIRECT 16 KiB read, and what writing the files into a file each
+        costs on the cache dirs' filesystem."""
         for name, fn in (("files ceiling", lambda: self._files_ceiling(base, extra, link)),
                          ("mmap curl", lambda: self._mmap_curl(base)),
-                         ("disk O_DIRECT read", lambda: self._disk(base, run_i))):
+                         ("disk O_DIRECT read", lambda: self._disk(base, run_i)),
+                         ("cache files written", lambda: self._cache_files(base))):
             try:
                 fn()
             except (BenchError, OSError, ValueError) as exc:
@@ -300,6 +302,25 @@ class Workloads:
         _put(base, "wl_disk_p50", percentile(lat, 50))
         _put(base, "wl_disk_p99", percentile(lat, 99))
         log(f"  disk: {DISK_BLOCK // KIB} KiB O_DIRECT read p50/p99 {percentile(lat, 50):.0f}/{percentile(lat, 99):.0f} µs")
+
+    def _cache_files(self, base: dict) -> None:
+        """The files row's objects written into a file each on the cache dirs' filesystem, the
+        cheapest way (`cachefiles_worker`): what a cache that keeps each object in a file of its
+        own adds to the files row at the least, beside the floor that keeps none."""
+        d = self.ctx.new_cache_dir("cachefiles")
+        try:
+            spec = {"dir": d, "sizes": [size for size, _crc in self.plan.files.values()]}
+            r = run_worker("cachefiles", spec, 120 * self.ctx.timeout_factor, f"{FILES_N} cache files written", None,
+                           script=WORKERS_PY)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        if "error" in r:
+            raise BenchError(r["error"])
+        _put(base, "wl_cachefiles_s", r["seconds"])
+        _put(base, "wl_cachefiles_cpu_s", r["cpu_s"])
+        _put(base, "wl_cachefiles_host_cpu_s", r["host_cpu_s"])
+        log(f"  disk: {r['files']} files written into a file each in {r['seconds']:.2f} s, "
+            f"{r['cpu_s']:.2f} CPU-s in the writer, {r['host_cpu_s']:.2f} CPU-s on the host up to a sync")
 
     # ------------------------------------------------------------------ per mount
     def measure_system(self, ctx, system: str, run_i: int, res: dict, extra: dict, errors: list,
