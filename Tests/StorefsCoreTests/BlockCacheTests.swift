@@ -177,23 +177,38 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         return b
     }
 
-    @Test(arguments: [true, false])
-    func cacheDataIsWrittenPastThePageCacheUnlessBuffered(direct: Bool) throws {
-        // 100 KiB + 1,000 bytes in 16 KiB blocks: six whole blocks and a partial one.
+    /// Stores an object of 100 KiB + 1,000 bytes in 16 KiB blocks (six whole blocks and a
+    /// partial one), whole in one call or in two parts as a file fetched in parts is; returns
+    /// which pages of its six whole blocks are in the page cache then, and whether it reads
+    /// back as stored (its checks passing).
+    func storeAndLook(directWrites: Bool, whole: Bool, seed: UInt8) throws -> (pages: [Bool], readsBack: Bool) {
         var m = meta
         m.size = 103_400
-        let bytes = pattern(Int(m.size), seed: 3)
-        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10, directWrites: direct)
+        let bytes = pattern(Int(m.size), seed: seed)
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10, directWrites: directWrites)
         let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        defer { cache.release(o) }
         let buffer = aligned(bytes)
         defer { buffer.deallocate() }
-        // In two parts, as a file fetched in parts is stored (the whole object at once goes
-        // through the page cache: `anObjectStoredWholeGoesThroughThePageCache`).
-        let part = 4 * (16 << 10)
-        o.store(first: 0, UnsafeRawBufferPointer(rebasing: buffer[0..<part]))
-        o.store(first: 4, UnsafeRawBufferPointer(rebasing: buffer[part...]))
-        // Only the partial last block (its page) may be in the page cache after a direct write.
+        if whole {
+            o.store(first: 0, UnsafeRawBufferPointer(buffer))
+        } else {
+            let part = 4 * (16 << 10)
+            o.store(first: 0, UnsafeRawBufferPointer(rebasing: buffer[0..<part]))
+            o.store(first: 4, UnsafeRawBufferPointer(rebasing: buffer[part...]))
+        }
         let pages = residentPages(o.path, offset: o.format.dataOffset, length: 98_304)
+        var back = [UInt8](repeating: 0, count: bytes.count)
+        let read = back.withUnsafeMutableBytes { o.read(at: 0, into: $0) }
+        return (pages, read && back == bytes)
+    }
+
+    @Test(arguments: [true, false])
+    func cacheDataIsWrittenPastThePageCacheUnlessBuffered(direct: Bool) throws {
+        // In two parts (the whole object at once goes through the page cache:
+        // `anObjectStoredWholeGoesThroughThePageCache`).
+        let (pages, readsBack) = try storeAndLook(directWrites: direct, whole: false, seed: 3)
+        // Only the partial last block (its page) may be in the page cache after a direct write.
         #expect(pages.count == 24)
         if direct {
             #expect(pages.allSatisfy { !$0 }, "cache data went through the page cache: \(pages.filter { $0 }.count) of 24 pages resident")
@@ -201,10 +216,7 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
             #expect(pages.allSatisfy { $0 })
         }
         // Either way the bytes read back are those stored, and their checks pass.
-        var whole = [UInt8](repeating: 0, count: bytes.count)
-        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
-        #expect(whole == bytes)
-        cache.release(o)
+        #expect(readsBack)
     }
 
     /// A file fetched whole (`BlockReader.Config.wholeObjectLimit`) is stored in one call: its
@@ -212,21 +224,10 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
     /// small file waits for the disk and costs more than the copy (docs/architecture.md,
     /// "Cache writes").
     @Test func anObjectStoredWholeGoesThroughThePageCache() throws {
-        var m = meta
-        m.size = 103_400
-        let bytes = pattern(Int(m.size), seed: 4)
-        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10, directWrites: true)
-        let o = try #require(cache.acquire(endpoint: "e", meta: m))
-        let buffer = aligned(bytes)
-        defer { buffer.deallocate() }
-        o.store(first: 0, UnsafeRawBufferPointer(buffer))
-        let pages = residentPages(o.path, offset: o.format.dataOffset, length: 98_304)
+        let (pages, readsBack) = try storeAndLook(directWrites: true, whole: true, seed: 4)
         #expect(pages.count == 24)
         #expect(pages.allSatisfy { $0 }, "a whole object went past the page cache: \(pages.filter { !$0 }.count) of 24 pages not resident")
-        var whole = [UInt8](repeating: 0, count: bytes.count)
-        #expect(whole.withUnsafeMutableBytes { o.read(at: 0, into: $0) })
-        #expect(whole == bytes)
-        cache.release(o)
+        #expect(readsBack)
     }
 
     @Test func directWritesOfOneObjectRunAtOnceAndStoreEveryBlockOnce() throws {
