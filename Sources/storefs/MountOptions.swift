@@ -166,7 +166,7 @@ public struct MountOptions: Sendable, Equatable {
                              (default 4M or memory_limit/4 if less; at most 64M and memory_limit/4; 0 = off)
           -o cache_writes=W  all (default: every byte is cached, reads wait for a slow cache disk) or
                              keep_up (read-ahead the disk cannot keep up with is served uncached)
-          -o cache_io=W      direct (default: cache data is written past the page cache) or buffered
+          -o cache_io=W      direct (default: parts of large files are written past the page cache) or buffered
           -o list_ahead=N    sub-directories listed ahead when a directory is opened (default 128, 0 = off)
           -o connect_timeout=S  seconds to connect to the server (default 10)
           -o response_timeout=S seconds to wait for an answer to start, or through a stall (under 1 KiB/s) (default 10)

@@ -505,8 +505,8 @@ final class CachedObject: Sendable {
     /// "Cache writes"). The whole object at once (a file fetched whole), up to
     /// `bufferedWholeLimit`, goes through the page cache: for 1,000 files of 32–256 KiB a
     /// direct write each, which waits for the disk and allocates as it goes, cost the host 20%
-    /// more CPU and the readers 16% of their rate (docs/experiments.md, "small files write
-    /// their cache buffered").
+    /// more CPU and the readers 16% of their rate (docs/experiments.md,
+    /// "2026-12-07, afternoon").
     func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false) {
         let whole = first == 0 && Int64(bytes.count) == format.objectSize && format.objectSize <= Self.bufferedWholeLimit
         _ = withFile(writing: !whole) { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: whole ? -1 : direct) }
