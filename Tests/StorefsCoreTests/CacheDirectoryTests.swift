@@ -156,6 +156,28 @@ import StorefsTestSupport
         #expect(st.st_mode & S_IFMT == S_IFREG && st.st_mode & 0o777 == 0o600)
     }
 
+    /// A shard swapped for a link while the cache is in use (after the start-up scan) is
+    /// found when a file is made in it: the shard is opened before anything is made, and a
+    /// link there is removed and a private directory made in its place (three steps: the
+    /// link's open fails, the name is empty, the made directory opens).
+    @Test func aShardSwappedForALinkWhileInUseIsReplacedWhenAFileIsMade() throws {
+        let b = bystander()
+        let dir = base + "/c"
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let hex = BlockCache.hex(BlockCache.keyHash(endpoint: "e", bucket: meta.bucket, name: meta.name, generation: meta.generation))
+        let shard = dir + "/v1/" + String(hex.prefix(2))
+        rmdir(shard)
+        #expect(symlink(b.dir, shard) == 0)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta), "no cache file made: the cache paused")
+        pattern(10_000).withUnsafeBytes { o.store(first: 0, $0) }
+        #expect(o.cachedBytes(from: 0, upTo: 10_000) == 10_000)
+        cache.release(o)
+        #expect(untouched(b))
+        var st = stat()
+        #expect(lstat(shard, &st) == 0 && st.st_mode & S_IFMT == S_IFDIR && st.st_mode & 0o777 == 0o700)
+        #expect(lstat(o.path, &st) == 0 && st.st_mode & S_IFMT == S_IFREG && st.st_mode & 0o777 == 0o600)
+    }
+
     @Test func aFifoOrAForeignFileInTheCacheIsRemovedWithoutBlocking() throws {
         let dir = base + "/c"
         _ = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
