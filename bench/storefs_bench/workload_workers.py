@@ -240,7 +240,8 @@ def cachefiles_worker(spec: dict) -> dict:
     h0, c0, t0 = host_cpu(), sum(os.times()[:2]), time.perf_counter()
     for i, size in enumerate(spec["sizes"]):
         sub = os.path.join(top, f"{i % 256:02x}")
-        os.makedirs(sub, mode=0o700, exist_ok=True)
+        if i < 256:
+            os.mkdir(sub, 0o700)   # made when first needed, as storefs makes its shards
         temp, final = os.path.join(sub, f"{i}.blk.tmp"), os.path.join(sub, f"{i}.blk")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

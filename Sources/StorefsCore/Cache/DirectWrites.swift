@@ -20,8 +20,8 @@ public enum CacheIO: String, Sendable {
 /// buffer to the disk as it is. Where a write cannot go direct (the filesystem refuses
 /// O_DIRECT, a buffer or offset is not aligned, the object's last partial block) it is
 /// buffered as before: the bytes on disk are the same either way. An object of at most 4 MiB
-/// stored whole in one call (a small file fetched whole) is written buffered on purpose: there the direct
-/// write's wait for the disk and its allocation cost more than the copy
+/// stored whole in one call (a small file fetched whole) is written buffered on purpose: there
+/// the direct write's wait for the disk and its allocation cost more than the copy
 /// (`CachedObject.store`).
 enum DirectWrites {
     /// Offsets, lengths and buffer addresses of direct writes are multiples of this: a

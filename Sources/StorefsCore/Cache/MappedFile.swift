@@ -1,5 +1,4 @@
 import Glibc
-internal import CBlockCache
 
 /// Files under `cache_dir` that storefs changes through a `MAP_SHARED` mapping (the shared
 /// cache's state, `SharedCache`; a manifest index being built, `ManifestIndexBuilder`).
@@ -15,7 +14,7 @@ enum MappedFile {
     /// (`zeroFill`) is written with zeros where it reads as zeros, which allocates it as well;
     /// a range others write was written so by whoever laid it out.
     static func allocate(_ fd: Int32, _ offset: Int, _ length: Int, zeroFill: Bool) -> String? {
-        if cblockcache_allocate(fd, off_t(offset), off_t(length)) == 0 { return nil }
+        if SparseFile.allocate(fd, offset: Int64(offset), length: Int64(length)) { return nil }
         let err = errno
         guard err == EOPNOTSUPP || err == ENOSYS else { return String(cString: strerror(err)) }
         guard zeroFill else { return nil }
