@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 int cblockcache_punch_hole(int fd, off_t offset, off_t len) {
@@ -19,7 +20,7 @@ int cblockcache_allocate(int fd, off_t offset, off_t len) {
 int cblockcache_reopen_direct(int fd) {
     char path[64];
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    int d = open(path, O_WRONLY | O_DIRECT | O_CLOEXEC);
+    int d = open(path, O_RDWR | O_DIRECT | O_CLOEXEC);
     if (d < 0) return -1;
     struct stat a, b;
     if (fstat(fd, &a) != 0 || fstat(d, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
@@ -28,6 +29,18 @@ int cblockcache_reopen_direct(int fd) {
         return -1;
     }
     return d;
+}
+
+#ifndef __NR_cachestat
+#define __NR_cachestat 451  /* Linux 6.5; Debian 12's headers predate it */
+#endif
+
+int cblockcache_all_cached(int fd, off_t offset, size_t len) {
+    struct { uint64_t off, len; } range = { (uint64_t)offset, len };
+    struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } stat;
+    if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return -1;
+    uint64_t first = (uint64_t)offset / 4096, last = ((uint64_t)offset + len - 1) / 4096;
+    return stat.nr_cache >= last - first + 1;
 }
 
 int cblockcache_lock_range(int fd, off_t start, off_t len, int exclusive, int wait) {

@@ -230,6 +230,43 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         #expect(readsBack)
     }
 
+    /// A read of one block (a random read) whose pages the kernel let go is read past the page
+    /// cache, not into it beside the mounted file's own page (docs/architecture.md, "Cached
+    /// runs ahead"): the object's last, partial block too (its direct read ends at the file's
+    /// end). A run of blocks is read through the page cache, where the kernel's read-ahead of
+    /// the cache file serves sequential readers.
+    @Test func aBlockWhosePagesWentIsReadPastThePageCache() throws {
+        var m = meta
+        m.size = 103_400
+        let bytes = pattern(Int(m.size), seed: 5)
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 16 << 10, directWrites: true)
+        let o = try #require(cache.acquire(endpoint: "e", meta: m))
+        defer { cache.release(o) }
+        let buffer = aligned(bytes)
+        defer { buffer.deallocate() }
+        let part = 4 * (16 << 10)
+        o.store(first: 0, UnsafeRawBufferPointer(rebasing: buffer[0..<part]))
+        o.store(first: 4, UnsafeRawBufferPointer(rebasing: buffer[part...]))
+        // The buffered tail and index pages out of memory too, as memory pressure takes them.
+        let fd = open(o.path, O_RDONLY)
+        #expect(fsync(fd) == 0 && posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0)
+        close(fd)
+        func readsBack(_ offset: Int, _ count: Int) -> Bool {
+            var got = [UInt8](repeating: 0, count: count)
+            return got.withUnsafeMutableBytes { o.read(at: Int64(offset), into: $0) } && got == Array(bytes[offset..<(offset + count)])
+        }
+        func resident(block: Int, count: Int = 1) -> Int {
+            residentPages(o.path, offset: o.format.blockOffset(block), length: count * (16 << 10)).filter { $0 }.count
+        }
+        #expect(resident(block: 2) == 0 && resident(block: 6) == 0)
+        #expect(readsBack(2 * (16 << 10) + 4096, 4096))
+        #expect(readsBack(6 * (16 << 10) + 1000, 4000))
+        #expect(resident(block: 2) == 0, "a random read of a block filled the cache file's pages")
+        #expect(resident(block: 6) == 0, "a random read of the last block filled the cache file's pages")
+        #expect(readsBack(0, 2 * (16 << 10)))
+        #expect(resident(block: 0, count: 2) == 8)
+    }
+
     @Test func directWritesOfOneObjectRunAtOnceAndStoreEveryBlockOnce() throws {
         // 8 threads store the same 8 MiB object, each in 2 MiB parts in its own order, so
         // parts of one file are written side by side and some twice at once.

@@ -1,9 +1,9 @@
 #ifndef STOREFS_CBLOCKCACHE_H
 #define STOREFS_CBLOCKCACHE_H
 /* The block cache's C needs, each something Swift cannot reach directly: fallocate, O_DIRECT,
- * open file description locks and renameat2 (_GNU_SOURCE names Glibc's Swift module does not
- * export, or variadic fcntl), and atomics on memory that other processes map too (the shared
- * cache state: Swift's Atomic lives only in its own storage). Its checksums are CChecksum's. */
+ * cachestat, open file description locks and renameat2 (_GNU_SOURCE names Glibc's
+ * Swift module does not export, or variadic fcntl), and atomics on memory that other
+ * processes map too (the shared cache state: Swift's Atomic lives only in its own storage). Its checksums are CChecksum's. */
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -12,10 +12,13 @@
 int cblockcache_punch_hole(int fd, off_t offset, off_t len);
 /* Allocates the disk space of [offset, offset+len) (unwritten extents, size kept). 0 or -1/errno. */
 int cblockcache_allocate(int fd, off_t offset, off_t len);
-/* A second descriptor, write-only and O_DIRECT, of the very file `fd` is open on: opened through
- * /proc/self/fd (never a name another process could have swapped) and checked to be the same
- * inode. -1/errno where the filesystem, or /proc, does not allow it. */
+/* A second descriptor, O_DIRECT (read and write), of the very file `fd` is open on: opened
+ * through /proc/self/fd (never a name another process could have swapped) and checked to be
+ * the same inode. -1/errno where the filesystem, or /proc, does not allow it. */
 int cblockcache_reopen_direct(int fd);
+/* Whether the page cache holds every page of [offset, offset+len) of fd (cachestat(2), which
+ * reads nothing and starts no read-ahead): 1 or 0, -1/errno (ENOSYS before Linux 6.5). */
+int cblockcache_all_cached(int fd, off_t offset, size_t len);
 /* An open file description lock (F_OFD_SETLK[W]) on [start, start+len) of fd: shared or
  * exclusive, waiting for it or not. Released by cblockcache_unlock_range, or when the last
  * descriptor of that open file description closes (a killed process's go with it). 0 or

@@ -67,7 +67,7 @@ public final class BlockCache: Sendable {
     /// This mount's `cache_size`; the cap it keeps to is `capacity`.
     public let ownCapacity: Int64
     public let blockSize: Int
-    /// Block data is written past the page cache where the filesystem allows (`DirectWrites`),
+    /// Block data is written past the page cache where the filesystem allows (`DirectIO`),
     /// but for small objects stored whole (`CachedObject.store`).
     public let directWrites: Bool
     /// Who shares the directory, the bytes it holds, who changed which index.

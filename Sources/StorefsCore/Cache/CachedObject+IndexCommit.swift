@@ -65,7 +65,7 @@ extension CachedObject {
     private func commitLeftSets() {
         let shared = cache.shared.isShared
         guard state.withLock({ $0.setsWritten < $0.setsMade && $0.users > 0 && (shared || !$0.directRefused) }) else { return }
-        let failure = withFile(writing: true) { fd, direct -> Int32 in
+        let failure = withFile(direct: true) { fd, direct -> Int32 in
             direct >= 0 || shared ? commitIndex(fd: fd, direct: direct, own: nil) : 0
         } ?? 0
         // EINVAL: the device refused the alignment; the entries stay marked for the next store.
@@ -91,7 +91,7 @@ extension CachedObject {
                 s.index.set(first + i, e, tick: t)
             }
             guard direct, !entries.isEmpty else { return dup }
-            let page = DirectWrites.alignment
+            let page = DirectIO.alignment
             let pages = Int(format.entryOffset(first)) / page...Int(format.entryOffset(first + entries.count) - 1) / page
             s.dirtyPages.formUnion(pages)
             s.setsMade += 1
@@ -155,7 +155,7 @@ extension CachedObject {
 
     /// The whole pages holding bytes `[from, to)` of the file.
     static func pageRange(_ from: Int64, _ to: Int64) -> (Int64, Int64) {
-        let page = Int64(DirectWrites.alignment)
+        let page = Int64(DirectIO.alignment)
         return (from / page * page, (to + page - 1) / page * page)
     }
 
@@ -181,7 +181,7 @@ extension CachedObject {
     /// counts for them (`overheadBytes`). False on a failed write (errno says why: EINVAL, the
     /// device refused the alignment). The caller holds `indexWriting`.
     private func writeEntryPages(pages: Range<Int>, fd: Int32, direct: Int32) -> Bool {
-        let page = DirectWrites.alignment
+        let page = DirectIO.alignment
         let from = pages.lowerBound * page
         let to = pages.upperBound * page
         let pages = UnsafeMutableRawBufferPointer.allocate(byteCount: to - from, alignment: page)

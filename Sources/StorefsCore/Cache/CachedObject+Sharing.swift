@@ -60,13 +60,13 @@ extension CachedObject {
     }
 
     /// Index entries per 4 KiB page of the file, and the page of a block's entry.
-    private static var entriesPerPage: Int { DirectWrites.alignment / CacheFileFormat.entrySize }
-    private func page(of block: Int) -> Int { Int(format.entryOffset(block)) / DirectWrites.alignment }
+    private static var entriesPerPage: Int { DirectIO.alignment / CacheFileFormat.entrySize }
+    private func page(of block: Int) -> Int { Int(format.entryOffset(block)) / DirectIO.alignment }
 
     /// The blocks whose entries lie in index page `page`.
     private func blocksOf(page: Int) -> Range<Int> {
-        let first = max(0, (page * DirectWrites.alignment - CacheFileFormat.headerSize + CacheFileFormat.entrySize - 1) / CacheFileFormat.entrySize)
-        let end = min(format.blockCount, ((page + 1) * DirectWrites.alignment - CacheFileFormat.headerSize) / CacheFileFormat.entrySize)
+        let first = max(0, (page * DirectIO.alignment - CacheFileFormat.headerSize + CacheFileFormat.entrySize - 1) / CacheFileFormat.entrySize)
+        let end = min(format.blockCount, ((page + 1) * DirectIO.alignment - CacheFileFormat.headerSize) / CacheFileFormat.entrySize)
         return first..<max(first, end)
     }
 

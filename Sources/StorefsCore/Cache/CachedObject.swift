@@ -26,7 +26,8 @@ final class CachedObject: Sendable {
     struct State: ~Copyable {
         var index: BlockIndex
         var fd: Int32 = -1
-        /// The same file for data writes past the page cache (`DirectWrites`); -1 where not.
+        /// The same file for data writes and one-block reads past the page cache (`DirectIO`);
+        /// -1 where not.
         var directFD: Int32 = -1
         /// A direct write was turned down (EINVAL): buffered from then on (`directFD` stays
         /// open until the file is closed, as writers may be using it).
@@ -318,8 +319,9 @@ final class CachedObject: Sendable {
     /// it runs; nil, without running it, when nobody holds the object (`open`) or the file
     /// cannot be opened (no descriptor to spare, the file gone).
     ///
-    /// The direct descriptor is opened only for `writing` (a file only read never holds one).
-    func withFile<T>(writing: Bool = false, _ body: (_ fd: Int32, _ direct: Int32) -> T) -> T? {
+    /// The direct descriptor is opened only when asked for (`direct`: writes, and reads of one
+    /// block; a file only read in runs never holds one).
+    func withFile<T>(direct wantsDirect: Bool = false, _ body: (_ fd: Int32, _ direct: Int32) -> T) -> T? {
         lastUsed.store(cache.tick(), ordering: .relaxed)
         let needsOpening = state.withLock { s -> Bool? in
             guard s.users > 0 else { return nil }
@@ -343,7 +345,7 @@ final class CachedObject: Sendable {
                 Glibc.close(fd)
             }
         }
-        if writing, cache.directWrites { openDirect() }
+        if wantsDirect, cache.directWrites { openDirect() }
         let (fd, direct) = state.withLock { ($0.fd, $0.directRefused ? -1 : $0.directFD) }
         guard fd >= 0 else { return nil }
         return body(fd, direct)
@@ -398,7 +400,7 @@ final class CachedObject: Sendable {
     private func openDirect() {
         let fd = state.withLock { s -> Int32 in s.directFD < 0 && !s.directRefused ? s.fd : -1 }
         guard fd >= 0 else { return }
-        let direct = DirectWrites.reopen(fd) ?? -1
+        let direct = DirectIO.reopen(fd) ?? -1
         if direct < 0 { cache.noteNoDirectWrites() }
         let kept = state.withLock { s -> Bool in
             guard direct >= 0 else {
@@ -467,23 +469,33 @@ final class CachedObject: Sendable {
             return true
         }
         guard present else { return false }
-        return withFile { fd, _ -> Bool in
-            guard readVerified(fd: fd, at: offset, into: dst, first: first, last: last, crcs: crcs) else { return false }
+        // One block (a random read) is read past the page cache if the kernel let its pages
+        // go (`DirectIO.read`); a run stays buffered, as the kernel's read-ahead of the cache
+        // file and `warm` serve sequential readers (docs/architecture.md, "Cached runs ahead").
+        let single = first == last
+        return withFile(direct: single) { fd, direct -> Bool in
+            guard readVerified(fd: fd, direct: single ? direct : -1, at: offset, into: dst, first: first, last: last, crcs: crcs) else {
+                return false
+            }
             markUsed(fd: fd, at: t)
             return true
         } ?? false
     }
 
-    /// `read`'s disk read and checks, with the file open.
-    private func readVerified(fd: Int32, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
+    /// `read`'s disk read and checks, with the file open (`direct`: the O_DIRECT descriptor
+    /// for a read of one block, else -1).
+    private func readVerified(fd: Int32, direct: Int32, at offset: Int64, into dst: UnsafeMutableRawBufferPointer,
                               first: Int, last: Int, crcs: [UInt32]) -> Bool {
         let bs = Int64(format.blockSize)
         let runStart = Int64(first) * bs
         let runLength = Int(min(format.objectSize, Int64(last + 1) * bs) - runStart)
-        let direct = offset == runStart && dst.count == runLength
-        let scratch = direct ? dst : UnsafeMutableRawBufferPointer.allocate(byteCount: runLength, alignment: 4096)
-        defer { if !direct { scratch.deallocate() } }
-        guard pread(fd, scratch.baseAddress, runLength, off_t(format.blockOffset(first))) == runLength else { return false }
+        // Into the reader's buffer when it wants exactly the run and no direct read may land
+        // there (unaligned, and rounded up past its end).
+        let inPlace = direct < 0 && offset == runStart && dst.count == runLength
+        let room = direct < 0 ? runLength : (runLength + DirectIO.alignment - 1) / DirectIO.alignment * DirectIO.alignment
+        let scratch = inPlace ? dst : UnsafeMutableRawBufferPointer.allocate(byteCount: room, alignment: DirectIO.alignment)
+        defer { if !inPlace { scratch.deallocate() } }
+        guard DirectIO.read(into: scratch, length: runLength, at: format.blockOffset(first), buffered: fd, direct: direct) else { return false }
         for b in first...last {
             let at = Int(Int64(b) * bs - runStart)
             let block = UnsafeRawBufferPointer(rebasing: scratch[at..<(at + format.blockLength(b))])
@@ -493,7 +505,7 @@ final class CachedObject: Sendable {
                 return false
             }
         }
-        if !direct {
+        if !inPlace {
             let skip = Int(offset - runStart)
             dst.copyMemory(from: UnsafeRawBufferPointer(rebasing: scratch[skip..<(skip + dst.count)]))
         }
@@ -509,7 +521,7 @@ final class CachedObject: Sendable {
     /// "2026-12-07, afternoon").
     func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false) {
         let whole = first == 0 && Int64(bytes.count) == format.objectSize && format.objectSize <= Self.bufferedWholeLimit
-        _ = withFile(writing: !whole) { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: whole ? -1 : direct) }
+        _ = withFile(direct: !whole) { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: whole ? -1 : direct) }
     }
 
     /// `store` with the file open: `direct` -1 where data goes through the page cache.
@@ -556,10 +568,10 @@ final class CachedObject: Sendable {
             // A direct write refused by an earlier run (EINVAL) goes buffered from then on.
             let direct = state.withLock { $0.directRefused } ? -1 : directFD
             // Data first, then the index entries: a crash in between leaves blocks that are
-            // simply absent. The data goes past the page cache where it can (`DirectWrites`).
+            // simply absent. The data goes past the page cache where it can (`DirectIO`).
             var stillDirect = direct
             if direct >= 0 { allocate(blocks: runFirst..<runEnd, direct: direct, ahead: ahead) }
-            let wrote = DirectWrites.write(run, at: format.blockOffset(runFirst), buffered: fd, direct: &stillDirect)
+            let wrote = DirectIO.write(run, at: format.blockOffset(runFirst), buffered: fd, direct: &stillDirect)
             if stillDirect != direct { state.withLock { $0.directRefused = true } }
             guard wrote else {
                 cache.unreserve(cost)
