@@ -252,7 +252,7 @@ extension LockLevel {
     public static let cacheWriterRoom = LockLevel(88, "CacheWriter.room")
 
     // The read path's bookkeeping (no I/O under any of them).
-    public static let flightTables = LockLevel(100, "BlockReader.tables")
+    public static let flightTables = LockLevel(100, "BlockReader.FlightTables.entries")
     public static let flightEntries = LockLevel(102, "FlightTable.entries")
     public static let integrityUnstored = LockLevel(104, "ObjectIntegrity.unstored")
     public static let integrityCheckEnded = LockLevel(106, "ObjectIntegrity.checkEnded")

@@ -87,8 +87,21 @@ public final class BlockReader: Sendable {
     /// no download retries on past the mount (its transfer within about a second, its
     /// retry waits at once); finished downloads still get their cache copy.
     let stopping = Atomic<Bool>(false)
-    /// The downloads in flight (or finished and not yet read), per object generation.
-    let tables = OrderedMutex(.flightTables, [ObjectKey: (table: FlightTable, streams: Int)]())
+    /// The downloads in flight (or finished and not yet read), per object generation, in
+    /// shards by the object's hash, each under a lock of its own (`FlightTables`).
+    let flightTables = (0..<FlightTables.shards).map { _ in FlightTables() }
+
+    /// One shard of `flightTables`. Under one lock for all, 16 threads reading small files
+    /// (an open, a close and a retirement each per file) spun for it in `Mutex`'s slow path:
+    /// 6% of the daemon's CPU, gone with 16 shards (docs/experiments.md, "2026-12-07, evening").
+    final class FlightTables: Sendable {
+        static let shards = 16
+        let entries = OrderedMutex(.flightTables, [ObjectKey: (table: FlightTable, streams: Int)]())
+    }
+
+    func tables(_ key: ObjectKey) -> FlightTables {
+        flightTables[Int(UInt(bitPattern: key.hashValue) % UInt(FlightTables.shards))]
+    }
     /// The daemon's threads (`WorkerPools`): read-ahead runs on `prefetch`, connections are
     /// opened ahead on `connect`, first bytes are asked on `probe`.
     let pools: WorkerPools
@@ -188,7 +201,7 @@ public final class BlockReader: Sendable {
         let cached = meta.size > 0 ? cache?.acquire(endpoint: endpoint, meta: meta) : nil
         let minWindow = min(config.partSize, config.readAhead, config.initialWindow)
         let key = ObjectKey(object: ByteName(meta.name), generation: meta.generation)
-        let table = tables.withLock { t -> FlightTable in
+        let table = tables(key).entries.withLock { t -> FlightTable in
             let entry = t[key] ?? (FlightTable(), 0)
             t[key] = (entry.table, entry.streams + 1)
             return entry.table
@@ -199,7 +212,7 @@ public final class BlockReader: Sendable {
 
     func closeStream(_ stream: Stream) {
         let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
-        let last = tables.withLock { t -> Bool in
+        let last = tables(key).entries.withLock { t -> Bool in
             guard let entry = t[key] else { return false }
             t[key] = (entry.table, entry.streams - 1)
             return entry.streams <= 1
@@ -216,13 +229,13 @@ public final class BlockReader: Sendable {
     /// Whether a file still has the object open (its read-ahead may yet be read).
     func isOpen(_ stream: Stream) -> Bool {
         let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
-        return tables.withLock { t in t[key].map { $0.streams > 0 && $0.table === stream.flights } ?? false }
+        return tables(key).entries.withLock { t in t[key].map { $0.streams > 0 && $0.table === stream.flights } ?? false }
     }
 
     /// Forgets an object's flight table once no file has it open and no download is left in it.
     func retireIfIdle(_ stream: Stream) {
         let key = ObjectKey(object: ByteName(stream.meta.name), generation: stream.meta.generation)
-        tables.withLock { t in
+        tables(key).entries.withLock { t in
             if let entry = t[key], entry.streams <= 0, entry.table === stream.flights, entry.table.isEmpty {
                 t.removeValue(forKey: key)
             }

@@ -120,7 +120,9 @@ extension BlockReader {
     /// Lets go of finished read-ahead nobody has read yet whose cache copy is made or skipped
     /// (memory budget pressure): only that frees memory (`FlightTable.dropStored`).
     func dropStored() {
-        for table in tables.withLock({ $0.values.map(\.table) }) { table.dropStored() }
+        for shard in flightTables {
+            for table in shard.entries.withLock({ $0.values.map(\.table) }) { table.dropStored() }
+        }
     }
 
     /// Serves the read, downloading what is missing, and returns the download that holds the
