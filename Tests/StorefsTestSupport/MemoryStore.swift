@@ -108,7 +108,10 @@ public final class MemoryStore: ObjectStore, ConnectionTuning {
         counts.withLock { $0.list += 1 }
         try check()
         try slowly(isCancelled)
-        let names = objects.withLock { $0.keys.filter { $0.hasPrefix(prefix) }.sorted() }
+        // One snapshot of the names and their metadata: a test may delete an object while a
+        // listing runs on another thread (a listing ahead), which must not find it half gone.
+        let snapshot = objects.withLock { o in o.filter { $0.key.hasPrefix(prefix) }.mapValues { $0.0 } }
+        let names = snapshot.keys.sorted()
         var items: [ObjectMetadata] = []
         var prefixes = Set<String>()
         var started = pageToken == nil
@@ -121,7 +124,7 @@ public final class MemoryStore: ObjectStore, ConnectionTuning {
                 continue
             }
             if items.count == pageSize { next = n; break }
-            items.append(objects.withLock { $0[n]!.0 })
+            items.append(snapshot[n]!)
         }
         return ListPage(items: items, prefixes: prefixes.sorted(), nextPageToken: next)
     }
