@@ -138,13 +138,19 @@ def run_worker(kind: str, spec: dict, timeout: float, what: str, daemon_pid: int
 
 
 def pread_latency(path: str, local: str, offsets: list, evict_first: bool, daemon_pid: int | None,
-                  timeout: float = 120):
-    """Runs the pread loop in a child (so a hung mount cannot hang the bench); returns (p50, p99) µs."""
-    spec = {"path": path, "local": local, "offsets": offsets, "evict": evict_first}
+                  timeout: float = 120, disk: dict | None = None):
+    """Runs the pread loop in a child (so a hung mount cannot hang the bench); returns (p50, p99)
+    µs, and with `disk` (workers.pread_worker) the p50 of the disk reads interleaved with them
+    as a third value."""
+    spec = {"path": path, "local": local, "offsets": offsets, "evict": evict_first, **({"disk": disk} if disk else {})}
     res = run_worker("pread", spec, timeout, f"{len(offsets)} preads", daemon_pid)
+    if "error" in res:
+        raise BenchError(res["error"])
     if res["mismatches"]:
         raise BenchError(f"{res['mismatches']} of {len(offsets)} 4 KiB reads returned wrong bytes")
     lat = [ns / 1000.0 for ns in res["lat_ns"]]
+    if disk:
+        return percentile(lat, 50), percentile(lat, 99), percentile([ns / 1000.0 for ns in res["disk_lat_ns"]], 50)
     return percentile(lat, 50), percentile(lat, 99)
 
 

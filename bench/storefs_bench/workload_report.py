@@ -31,6 +31,7 @@ ROWS = [
     ("mmap_rss_1", "  daemon peak RSS, mmap 1 thread", "MiB", False, None, True),
     ("mmap_rss_4", f"  daemon peak RSS, mmap {MMAP_THREADS} threads", "MiB", False, None, True),
     ("cached_dropped_p50", "cached random 4K p50, pages dropped", "µs", False, "wl_disk_p50", True),
+    ("cached_dropped_disk_p50", "  disk: 16 KiB O_DIRECT read between those reads, p50", "µs", False, None, False),
     ("cached_memory_p50", "cached random 4K p50, cache files in memory", "µs", False, None, True),
 ]
 COUNT_UNITS = ("requests", "connections")
@@ -63,8 +64,10 @@ def _target(key: str, vals: dict, base: float | None, st_rows: dict, ml_mib: flo
     if key in ("mmap_rss_1", "mmap_rss_4"):
         goal = 64 + ml_mib
         return f"≤64+{ml_mib:.0f} ({goal:.0f})", judge(st is not None and st <= goal)
-    if key == "cached_dropped_p50" and base:
-        goal = base + DISK_SLACK_US
+    if key == "cached_dropped_p50" and (base or st_rows.get("cached_dropped_disk_p50")):
+        # Judged against the disk reads timed between storefs's own reads, when the run has them.
+        disk = st_rows.get("cached_dropped_disk_p50") or base
+        goal = disk + DISK_SLACK_US
         return f"≤disk+{DISK_SLACK_US} ({goal:.0f})", judge(st is not None and st <= goal)
     if key == "cached_memory_p50":
         return f"≤{MEMORY_HIT_US}", judge(st is not None and st <= MEMORY_HIT_US)
