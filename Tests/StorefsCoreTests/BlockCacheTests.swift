@@ -80,6 +80,35 @@ func residentPages(_ path: String, offset: Int64, length: Int) -> [Bool] {
         return ok ? out : nil
     }
 
+    /// A download that completes its object has its blocks' CRC32Cs computed by its check
+    /// (`ObjectIntegrity.landed`); its cache copy takes them instead of reading the bytes again.
+    @Test func aStoreGivenItsBlocksCRCsRecordsThoseInsteadOfComputingThem() throws {
+        let bytes = pattern(10_000)
+        let cache = try BlockCache(directory: dir, capacity: 1 << 20, blockSize: 4096)
+        let o = try #require(cache.acquire(endpoint: "e", meta: meta))
+        let crcs = bytes.withUnsafeBytes { o.blockCRCs(first: 0, $0) }
+        let slices = [bytes[0..<4096], bytes[4096..<8192], bytes[8192...]]
+        #expect(crcs == slices.map { s in Array(s).withUnsafeBytes { Checksum.crc32c($0) } })
+        // Bytes that end inside a block give the whole blocks only.
+        #expect(Array(bytes[0..<5000]).withUnsafeBytes { o.blockCRCs(first: 0, $0) } == [crcs[0]])
+        bytes.withUnsafeBytes { o.store(first: 0, $0, crcs: crcs) }
+        #expect(readBack(o, block: 0, count: 10_000) == bytes)
+        cache.release(o)
+        // Given a wrong one, the store records it as given: the block then fails its check.
+        var other = meta
+        other.generation = 6
+        let wrong = try #require(cache.acquire(endpoint: "e", meta: other))
+        bytes.withUnsafeBytes { wrong.store(first: 0, $0, crcs: [crcs[0], crcs[1] ^ 1, crcs[2]]) }
+        #expect(readBack(wrong, block: 0, count: 4096) == Array(bytes[0..<4096]))
+        #expect(readBack(wrong, block: 1, count: 4096) == nil)
+        // A list of the wrong length is not used.
+        var third = meta
+        third.generation = 7
+        let short = try #require(cache.acquire(endpoint: "e", meta: third))
+        bytes.withUnsafeBytes { short.store(first: 0, $0, crcs: [crcs[0] ^ 1]) }
+        #expect(readBack(short, block: 0, count: 10_000) == bytes)
+    }
+
     @Test func storedBlocksSurviveReopeningTheCache() throws {
         let bytes = pattern(10_000)
         do {

@@ -90,6 +90,25 @@ extension CachedObject {
         return .mismatch(previous: snapshot.crcs)
     }
 
+    /// The CRC32C of each block in `bytes`, which hold whole blocks from `first` (the
+    /// object's last block may be short), up to the last block they hold whole: what `store`
+    /// and `matchesBeforeStoring` both need, computed once for a download that completes the
+    /// object (`ObjectIntegrity.landed`).
+    func blockCRCs(first: Int, _ bytes: UnsafeRawBufferPointer) -> [UInt32] {
+        let bs = format.blockSize
+        var crcs: [UInt32] = []
+        crcs.reserveCapacity((bytes.count + bs - 1) / bs)
+        var b = first
+        while b < format.blockCount, (b - first) * bs < bytes.count {
+            let at = (b - first) * bs
+            let length = format.blockLength(b)
+            guard at + length <= bytes.count else { break }
+            crcs.append(Checksum.crc32c(UnsafeRawBufferPointer(rebasing: bytes[at..<(at + length)])))
+            b += 1
+        }
+        return crcs
+    }
+
     /// The end-to-end check of a download that would complete the object, made before its
     /// bytes are stored (docs/integrity.md, "Checked before stored"): every block's CRC32C comes
     /// from the index where the block is present, else from the finished download in `pending`
@@ -98,7 +117,10 @@ extension CachedObject {
     /// cannot tell (a block in neither, no CRC32C to compare with, or already verified). It
     /// marks nothing verified and drops nothing: the cache copies, once made, are checked again
     /// from the index (`checkIfComplete`), and a mismatch here is left to the full check.
-    func matchesBeforeStoring(_ pending: [(first: Int, bytes: UnsafeRawBufferPointer)]) -> Bool? {
+    /// `known`: the CRC32Cs of the first pending download's blocks, already computed
+    /// (`blockCRCs`), so its bytes are not read twice.
+    func matchesBeforeStoring(_ pending: [(first: Int, bytes: UnsafeRawBufferPointer)],
+                              known: (first: Int, crcs: [UInt32])? = nil) -> Bool? {
         let snapshot = state.withLock { s -> (crcs: [UInt32], present: [Bool], expected: UInt32)? in
             guard let expected = s.expected, !s.verified else { return nil }
             var crcs = [UInt32](repeating: 0, count: s.index.count)
@@ -111,6 +133,12 @@ extension CachedObject {
         }
         guard var snapshot else { return nil }
         let bs = format.blockSize
+        if let known {
+            for (i, crc) in known.crcs.enumerated() where known.first + i < format.blockCount && !snapshot.present[known.first + i] {
+                snapshot.crcs[known.first + i] = crc
+                snapshot.present[known.first + i] = true
+            }
+        }
         for (first, bytes) in pending {
             var b = first
             while b < format.blockCount, (b - first) * bs < bytes.count {

@@ -519,13 +519,18 @@ final class CachedObject: Sendable {
     /// direct write each, which waits for the disk and allocates as it goes, cost the host 20%
     /// more CPU and the readers 16% of their rate (docs/experiments.md,
     /// "2026-12-07, afternoon").
-    func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false) {
+    /// `crcs`: the blocks' CRC32Cs where the caller has them already (`blockCRCs`), one per block.
+    func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool = false, crcs: [UInt32]? = nil) {
         let whole = first == 0 && Int64(bytes.count) == format.objectSize && format.objectSize <= Self.bufferedWholeLimit
-        _ = withFile(direct: !whole) { fd, direct in store(first: first, bytes, ahead: ahead, fd: fd, direct: whole ? -1 : direct) }
+        let known = crcs?.count == (bytes.count + format.blockSize - 1) / format.blockSize ? crcs : nil
+        _ = withFile(direct: !whole) { fd, direct in
+            store(first: first, bytes, ahead: ahead, crcs: known, fd: fd, direct: whole ? -1 : direct)
+        }
     }
 
     /// `store` with the file open: `direct` -1 where data goes through the page cache.
-    private func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool, fd: Int32, direct directFD: Int32) {
+    private func store(first: Int, _ bytes: UnsafeRawBufferPointer, ahead: Bool, crcs known: [UInt32]?, fd: Int32,
+                       direct directFD: Int32) {
         let serial = directFD < 0
         if serial { writing.lock() }
         defer { if serial { writing.unlock() } }
@@ -559,7 +564,7 @@ final class CachedObject: Sendable {
             for k in runFirst..<runEnd {
                 let length = format.blockLength(k)
                 let at = (k - runFirst) * bs
-                let crc = Checksum.crc32c(UnsafeRawBufferPointer(rebasing: run[at..<(at + length)]))
+                let crc = known?[k - first] ?? Checksum.crc32c(UnsafeRawBufferPointer(rebasing: run[at..<(at + length)]))
                 entries.append(CacheFileFormat.Entry(crc: crc, length: UInt32(length)))
                 cost += Self.diskBytes(length)
             }

@@ -132,7 +132,8 @@ extension BlockReader {
         if let cached = stream.cached {
             // The disk write outside the object's check lock, the check under it: never beside
             // a completing download's check (which could then find only dropped blocks).
-            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer), ahead: flight.isReadAhead)
+            cached.store(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer), ahead: flight.isReadAhead,
+                         crcs: flight.blockCRCs)
             stream.flights.integrity.stored(flight)
             if case .mismatch = stream.flights.integrity.checkAfterStoring(cached) {
                 // Completed by a write made after its bytes were served (a cache copy written

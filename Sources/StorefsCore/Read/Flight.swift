@@ -21,6 +21,10 @@ final class Flight: @unchecked Sendable {
     /// Taken from the pool when the download starts (`beginDownload`), so read-ahead queued
     /// behind busy threads holds budget but no memory. Readers use it only after `finish`.
     private(set) var buffer = UnsafeMutableRawBufferPointer(start: nil, count: 0)
+    /// Its blocks' CRC32Cs when its check computed them (`ObjectIntegrity.landed`): set before
+    /// `finish`, read after it by the thread that stores its cache copy, which then need not
+    /// compute them again.
+    var blockCRCs: [UInt32]?
     private let budget: MemoryBudget
     private let condition = OrderedCondition(.flight)
     private var outcome: Result<Void, StorageError>?

@@ -86,8 +86,10 @@ final class ObjectIntegrity: Sendable {
         // index's. When they match it finishes and is stored like any download, after its
         // readers have it, and the others' copies are left to their own threads: no reader
         // waits for a disk write. The index is checked again once the copies are made.
-        let pending = ([flight] + others).map { (first: $0.firstBlock, bytes: UnsafeRawBufferPointer($0.buffer)) }
-        if cached.matchesBeforeStoring(pending) == true {
+        let own = cached.blockCRCs(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
+        flight.blockCRCs = own
+        let pending = others.map { (first: $0.firstBlock, bytes: UnsafeRawBufferPointer($0.buffer)) }
+        if cached.matchesBeforeStoring(pending, known: (flight.firstBlock, own)) == true {
             flight.finish(.success(()))
             unstored.withLock { $0.append(flight) }
             return .finished
