@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include "cblockcache.h"
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <errno.h>
 #include <stdio.h>
@@ -35,11 +36,25 @@ int cblockcache_reopen_direct(int fd) {
 #define __NR_cachestat 451  /* Linux 6.5; Debian 12's headers predate it */
 #endif
 
+/* Set once cachestat is found missing (before Linux 6.5) or refused (a seccomp filter): the
+ * calls that follow fail at once instead of asking the kernel again on every read. */
+static atomic_int cachestat_unavailable;
+
 int cblockcache_all_cached(int fd, off_t offset, size_t len) {
+    if (atomic_load_explicit(&cachestat_unavailable, memory_order_relaxed)) {
+        errno = ENOSYS;
+        return -1;
+    }
     struct { uint64_t off, len; } range = { (uint64_t)offset, len };
     struct { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; } stat;
-    if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return -1;
-    uint64_t first = (uint64_t)offset / 4096, last = ((uint64_t)offset + len - 1) / 4096;
+    if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) {
+        if (errno == ENOSYS || errno == EPERM)
+            atomic_store_explicit(&cachestat_unavailable, 1, memory_order_relaxed);
+        return -1;
+    }
+    /* nr_cache counts pages of the machine's size (4 KiB on x86-64, up to 64 KiB on arm64). */
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t first = (uint64_t)offset / page, last = ((uint64_t)offset + len - 1) / page;
     return stat.nr_cache >= last - first + 1;
 }
 

@@ -17,7 +17,8 @@ int cblockcache_allocate(int fd, off_t offset, off_t len);
  * the same inode. -1/errno where the filesystem, or /proc, does not allow it. */
 int cblockcache_reopen_direct(int fd);
 /* Whether the page cache holds every page of [offset, offset+len) of fd (cachestat(2), which
- * reads nothing and starts no read-ahead): 1 or 0, -1/errno (ENOSYS before Linux 6.5). */
+ * reads nothing and starts no read-ahead): 1 or 0, -1/errno (ENOSYS before Linux 6.5 or where
+ * a seccomp filter refuses it; asked once, then answered without a system call). */
 int cblockcache_all_cached(int fd, off_t offset, size_t len);
 /* An open file description lock (F_OFD_SETLK[W]) on [start, start+len) of fd: shared or
  * exclusive, waiting for it or not. Released by cblockcache_unlock_range, or when the last
