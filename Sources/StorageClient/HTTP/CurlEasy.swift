@@ -68,6 +68,27 @@ final class CurlTransfer {
 
     private enum BodyMode { case undecided, collect, window, error }
 
+    /// `isCancelled` is asked at most this often: curl calls back for every chunk it receives
+    /// and between them, and the adapter's check takes libfuse's session lock and
+    /// `FuseContext.session`, locks every transfer and FUSE thread shares (docs/experiments.md,
+    /// "2026-12-07, night"). A cancelled request then stops within this much more time.
+    static let cancelCheckInterval = 0.01
+    private var cancelSeen = false
+    private var nextCancelCheck = 0.0
+
+    /// Whether the request was cancelled: `isCancelled` asked at once the first time, then at
+    /// most every `cancelCheckInterval`; once true, true for good. Called on the transfer's
+    /// own thread only (curl's callbacks).
+    func cancelledNow() -> Bool {
+        guard let isCancelled else { return false }
+        if cancelSeen { return true }
+        let now = monotonicNow()
+        guard now >= nextCancelCheck else { return false }
+        nextCancelCheck = now + Self.cancelCheckInterval
+        cancelSeen = isCancelled()
+        return cancelSeen
+    }
+
     init(sink: Sink, isCancelled: (@Sendable () -> Bool)?) {
         self.sink = sink
         self.isCancelled = isCancelled
@@ -111,7 +132,7 @@ final class CurlTransfer {
 
     /// Returns how many bytes were consumed; anything less than `data.count` aborts the transfer.
     func body(_ data: UnsafeRawBufferPointer, status: Int) -> Int {
-        if let isCancelled, isCancelled() {
+        if cancelledNow() {
             failure = StorageError(.cancelled, "transfer cancelled")
             return 0
         }
@@ -267,7 +288,7 @@ let curlWriteCallback: ccurl_data_cb = { ptr, size, nmemb, userdata in
 
 let curlProgressCallback: ccurl_xferinfo_cb = { userdata, _, _, _, _ in
     let transfer = Unmanaged<CurlTransfer>.fromOpaque(userdata!).takeUnretainedValue()
-    if let isCancelled = transfer.isCancelled, isCancelled() {
+    if transfer.cancelledNow() {
         transfer.failure = StorageError(.cancelled, "transfer cancelled")
         return 1
     }
