@@ -87,9 +87,11 @@ final class ObjectIntegrity: Sendable {
         // readers have it, and the others' copies are left to their own threads: no reader
         // waits for a disk write. The index is checked again once the copies are made.
         let own = cached.blockCRCs(first: flight.firstBlock, UnsafeRawBufferPointer(flight.buffer))
-        flight.blockCRCs = own
         let pending = others.map { (first: $0.firstBlock, bytes: UnsafeRawBufferPointer($0.buffer)) }
         if cached.matchesBeforeStoring(pending, known: (flight.firstBlock, own)) == true {
+            // Its cache copy records these (`storeToCache`). Only here: the full check below
+            // may overwrite the flight's bytes with a second download's.
+            flight.blockCRCs = own
             flight.finish(.success(()))
             unstored.withLock { $0.append(flight) }
             return .finished
