@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
 import urllib.parse
 import zlib
@@ -339,14 +340,47 @@ class Workloads:
                     link_label="workload: cached random (the whole object read once)")
 
     def files_phase(self, sr: SystemRun) -> None:
+        self._files_pass(sr)
+        if sr.system == "floor" and sr.link is None:
+            sr.step("1,000 files with cache writes", lambda: self._files_pass(sr, cache_writes=True))
+
+    def _files_pass(self, sr: SystemRun, cache_writes: bool = False) -> None:
+        """One pass of the files row. `cache_writes` (the floor, on loopback): while the floor
+        reads, `cachefiles_worker` writes the same objects into a file each, the cheapest way,
+        on the cache dirs' filesystem: the floor with the least a cache of a file per object
+        costs, measured at once and on the same cores rather than added up afterwards."""
         ctx = sr.ctx
         cache = sr.fresh_cache()
+        writer, written = None, {}
         try:
             with sr.mount(cache) as m:
                 drop_caches()
                 count = RequestCount(ctx.server, sr.link)
+                if cache_writes:
+                    d = ctx.new_cache_dir("cachefiles-alongside")
+                    leave_until_exit(d)
+                    spec = {"dir": d, "sizes": [size for size, _crc in self.plan.files.values()], "sync": False}
+
+                    def write():
+                        try:
+                            written.update(run_worker("cachefiles", spec, 120 * ctx.timeout_factor,
+                                                      f"{FILES_N} cache files written", None, script=WORKERS_PY))
+                        except BenchError as exc:
+                            written["error"] = str(exc)
+                    writer = threading.Thread(target=write, daemon=True)
+                    writer.start()
                 r = run_worker("files", files_spec(self.plan, os.path.join(ctx.mnt, FILES_DIR)),
                                120 * ctx.timeout_factor, f"{FILES_N} files read", m.pid, script=WORKERS_PY)
+                if writer is not None:
+                    writer.join()
+                    if "error" in written:
+                        raise BenchError(f"the cache files written alongside the floor: {written['error']}")
+                    sr.put("files_rate_cache_writes", r["files"] / r["seconds"])
+                    check_files_result(r, f"{sr.system} files with cache writes alongside")
+                    log(f"  {sr.system} {FILES_N} files by {FILES_THREADS} threads while a file each is written: "
+                        f"{r['seconds']:.2f} s ({r['files'] / r['seconds']:.0f} files/s; the writer took "
+                        f"{written['seconds']:.2f} s, {written['cpu_s']:.2f} CPU-s)")
+                    return
                 check_files_result(r, f"{sr.system} files")
                 c = count.finish((FILES_DIR + "/",))
                 c.update(wall=r["seconds"], list_s=r["list_seconds"])
