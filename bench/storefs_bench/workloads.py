@@ -355,7 +355,7 @@ class Workloads:
         try:
             with sr.mount(cache) as m:
                 drop_caches()
-                count = RequestCount(ctx.server, sr.link)
+                count = None if cache_writes else RequestCount(ctx.server, sr.link)
                 if cache_writes:
                     d = ctx.new_cache_dir("cachefiles-alongside")
                     leave_until_exit(d)
@@ -365,7 +365,7 @@ class Workloads:
                         try:
                             written.update(run_worker("cachefiles", spec, 120 * ctx.timeout_factor,
                                                       f"{FILES_N} cache files written", None, script=WORKERS_PY))
-                        except BenchError as exc:
+                        except (BenchError, OSError, ValueError) as exc:
                             written["error"] = str(exc)
                     writer = threading.Thread(target=write, daemon=True)
                     writer.start()
@@ -375,8 +375,8 @@ class Workloads:
                     writer.join()
                     if "error" in written:
                         raise BenchError(f"the cache files written alongside the floor: {written['error']}")
-                    sr.put("files_rate_cache_writes", r["files"] / r["seconds"])
                     check_files_result(r, f"{sr.system} files with cache writes alongside")
+                    sr.put("files_rate_cache_writes", r["files"] / r["seconds"])
                     log(f"  {sr.system} {FILES_N} files by {FILES_THREADS} threads while a file each is written: "
                         f"{r['seconds']:.2f} s ({r['files'] / r['seconds']:.0f} files/s; the writer took "
                         f"{written['seconds']:.2f} s, {written['cpu_s']:.2f} CPU-s)")
