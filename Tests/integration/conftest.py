@@ -81,6 +81,18 @@ def emulator(tls):
         emu.stop()
 
 
+@pytest.fixture(autouse=True)
+def _fake_gcs_server_outlives_the_test(request):
+    """The session's fake-gcs-server serves every test after this one: if it died during this
+    test, this test says so with the server's last output (the tests after it would only see
+    refused connections)."""
+    yield
+    if "emulator" in request.fixturenames:
+        gone = request.getfixturevalue("emulator").exited()
+        if gone:
+            pytest.fail(gone, pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def corpus(emulator) -> Corpus:
     return emulator.corpus

@@ -197,6 +197,14 @@ class GCSEmulator:
             self._log.close()
             self._log = None
 
+    def exited(self) -> str | None:
+        """How the server ended, with the tail of its output, if it exited while meant to run;
+        None while it runs (or after `stop`)."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return None
+        return f"fake-gcs-server exited with {proc.returncode}: {self._log_text() or '(no output)'}"
+
     def __enter__(self) -> "GCSEmulator":
         self.start()
         return self
