@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import Synchronization
 import StorageClient
 @testable import StorefsCore
 
@@ -56,6 +57,63 @@ import StorageClient
             let base = ["_bucket", "_sum", "_count"].reduce(name) { n, s in n.hasSuffix(s) && !families.contains(n) ? String(n.dropLast(s.count)) : n }
             #expect(families.contains(base), "\(name) has no TYPE line")
         }
+    }
+
+    /// Threads alive at once, each calling `body` on its own thread; returns when all have.
+    private func onThreadsAtOnce(_ count: Int, _ body: @escaping @Sendable (Int) -> Void) {
+        let started = DispatchGroup(), go = DispatchSemaphore(value: 0), done = DispatchGroup()
+        for i in 0..<count {
+            started.enter()
+            done.enter()
+            Thread {
+                started.leave()
+                go.wait()
+                body(i)
+                done.leave()
+            }.start()
+        }
+        started.wait()
+        for _ in 0..<count { go.signal() }
+        done.wait()
+    }
+
+    @Test func sixteenThreadsCountInAtLeastEightStripes() {
+        // Every FUSE reply is counted: threads that share a stripe wait for each other there.
+        let seen = Mutex([Int]())
+        onThreadsAtOnce(16) { _ in
+            let stripe = Metrics.stripeIndex(of: pthread_self())
+            seen.withLock { $0.append(stripe) }
+            Thread.sleep(forTimeInterval: 0.05)  // alive until all have looked: no address reused
+        }
+        let stripes = seen.withLock { $0 }
+        #expect(stripes.count == 16 && stripes.allSatisfy { (0..<Metrics.stripeCount).contains($0) })
+        #expect(Set(stripes).count >= 8, "stripes of 16 threads: \(stripes.sorted())")
+    }
+
+    @Test func countsMadeOnManyThreadsAtOnceAllReachTheSnapshot() {
+        let m = Metrics()
+        m.nameOperations(["lookup", "read"])
+        let threads = 24, each = 400
+        onThreadsAtOnce(threads) { _ in
+            for _ in 0..<each {
+                m.operation(1, errno: 0, seconds: 0.003, bytes: 10, isRead: true)
+                m.operation(0, errno: ENOENT, seconds: 0.0001)
+                m.cacheRead(hit: true, bytes: 4)
+                m.cacheRead(hit: false, bytes: 1)
+                m.retried()
+            }
+            m.operations(0, count: 3)
+            m.evicted(blocks: 2, bytes: 32)
+        }
+        let s = m.snapshot()
+        let n = UInt64(threads * each)
+        #expect(s.opNames == ["lookup", "read"])
+        #expect(s.ops == [n + UInt64(3 * threads), n])
+        #expect(s.errors == [ENOENT: n])
+        #expect(s.readBytes == 10 * n && s.readLatency.count == n && s.readLatency.counts[4] == n)
+        #expect(abs(s.readLatency.sum - 0.003 * Double(n)) < 1e-6)
+        #expect(s.cacheHits == n && s.cacheMisses == n && s.cacheHitBytes == 4 * n && s.cacheMissBytes == n)
+        #expect(s.retries == n && s.evictedBlocks == UInt64(2 * threads) && s.evictedBytes == UInt64(32 * threads))
     }
 
     @Test func metricsRoutesOnlyGetOfMetrics() {

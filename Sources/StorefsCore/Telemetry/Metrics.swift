@@ -19,10 +19,22 @@ public struct Histogram: Sendable {
         sum += seconds
         count += 1
     }
+
+    /// Adds `other`'s observations (a snapshot sums the stripes).
+    mutating func add(_ other: Histogram) {
+        for i in counts.indices { counts[i] += other.counts[i] }
+        sum += other.sum
+        count += other.count
+    }
 }
 
 /// The daemon's counters since it started (docs/operations.md, "Metrics"): FUSE operations,
 /// HTTP requests, the block cache. One process, one mount: a shared instance.
+///
+/// Counted in stripes, a thread's stripe chosen by its `pthread_self`: every FUSE reply and
+/// every request is counted, and one lock for them all made the FUSE threads wait for each
+/// other (4% of the daemon's CPU in the files row went to that lock, docs/experiments.md,
+/// "2026-12-08"). A snapshot adds the stripes up.
 public final class Metrics: Sendable {
     public static let shared = Metrics()
 
@@ -50,24 +62,43 @@ public final class Metrics: Sendable {
         public var evictedBytes: UInt64 = 0
     }
 
+    /// One stripe's counters: each lock guards the fields of its group in its `Snapshot`.
+    private final class Stripe: Sendable {
+        let fuse = OrderedMutex(.metricsFuse, Snapshot())
+        let http = OrderedMutex(.metricsHTTP, Snapshot())
+        let cache = OrderedMutex(.metricsCache, Snapshot())
+    }
+
+    static let stripeBits = 5
+    static let stripeCount = 1 << stripeBits
     private let started = monotonicNow()
-    private let fuse = OrderedMutex(.metricsFuse, Snapshot())
-    private let http = OrderedMutex(.metricsHTTP, Snapshot())
-    private let cache = OrderedMutex(.metricsCache, Snapshot())
+    private let stripes = (0..<Metrics.stripeCount).map { _ in Stripe() }
+    /// Set once, before the first operation is counted.
+    private let opNames = OrderedMutex(.metricsFuse, [String]())
+
+    /// The calling thread's stripe.
+    private var stripe: Stripe { stripes[Self.stripeIndex(of: pthread_self())] }
+
+    /// A thread's stripe: its `pthread_t` (the address of its thread control block, a
+    /// stack's size apart from the next thread's) hashed, so that threads whose addresses
+    /// differ only in high bits spread too.
+    static func stripeIndex(of thread: pthread_t) -> Int {
+        Int((UInt64(thread) &* 0x9E37_79B9_7F4A_7C15) >> (64 - stripeBits))
+    }
 
     /// The operations the FUSE adapter answers, in its order (its `FuseOp`): named once, at
     /// start, and counted by index from then on.
     public func nameOperations(_ names: [String]) {
-        fuse.withLock { s in
-            s.opNames = names
-            s.ops = [UInt64](repeating: 0, count: names.count)
+        opNames.withLock { $0 = names }
+        for stripe in stripes {
+            stripe.fuse.withLock { $0.ops = [UInt64](repeating: 0, count: names.count) }
         }
     }
 
     /// One answered operation (by its index among `nameOperations`): `errno` 0 for success; a
     /// read's bytes and time go to the read counters.
     public func operation(_ index: Int, errno: Int32, seconds: Double, bytes: Int = 0, isRead: Bool = false) {
-        fuse.withLock { s in
+        stripe.fuse.withLock { s in
             if index < s.ops.count { s.ops[index] += 1 }
             if errno != 0 { s.errors[errno, default: 0] += 1 }
             if isRead {
@@ -79,21 +110,21 @@ public final class Metrics: Sendable {
 
     /// `count` answered operations of one kind at once (a batch of forgets).
     public func operations(_ index: Int, count: Int) {
-        fuse.withLock { s in if index < s.ops.count { s.ops[index] += UInt64(count) } }
+        stripe.fuse.withLock { s in if index < s.ops.count { s.ops[index] += UInt64(count) } }
     }
 
     public func exchange(_ r: HTTPExchangeRecord) {
-        http.withLock { s in
+        stripe.http.withLock { s in
             s.requests[r.kind, default: [:]][r.status, default: 0] += 1
             s.downloadedBytes[r.kind, default: 0] += UInt64(r.bytes)
             s.requestLatency[r.kind, default: Histogram()].observe(r.seconds)
         }
     }
 
-    public func retried() { http.withLock { $0.retries += 1 } }
+    public func retried() { stripe.http.withLock { $0.retries += 1 } }
 
     public func cacheRead(hit: Bool, bytes: Int) {
-        cache.withLock { s in
+        stripe.cache.withLock { s in
             if hit {
                 s.cacheHits += 1
                 s.cacheHitBytes += UInt64(bytes)
@@ -105,27 +136,40 @@ public final class Metrics: Sendable {
     }
 
     public func evicted(blocks: Int, bytes: Int64) {
-        cache.withLock { s in
+        stripe.cache.withLock { s in
             s.evictedBlocks += UInt64(blocks)
             s.evictedBytes += UInt64(max(0, bytes))
         }
     }
 
     public func snapshot() -> Snapshot {
-        var out = fuse.withLock { $0 }
-        let h = http.withLock { $0 }
-        let c = cache.withLock { $0 }
+        var out = Snapshot()
+        out.opNames = opNames.withLock { $0 }
+        out.ops = [UInt64](repeating: 0, count: out.opNames.count)
+        for stripe in stripes {
+            let f = stripe.fuse.withLock { $0 }
+            for (i, n) in f.ops.enumerated() where i < out.ops.count { out.ops[i] += n }
+            out.errors.merge(f.errors, uniquingKeysWith: +)
+            out.readBytes += f.readBytes
+            out.readLatency.add(f.readLatency)
+            let h = stripe.http.withLock { $0 }
+            out.requests.merge(h.requests) { $0.merging($1, uniquingKeysWith: +) }
+            out.downloadedBytes.merge(h.downloadedBytes, uniquingKeysWith: +)
+            out.requestLatency.merge(h.requestLatency) { a, b in
+                var sum = a
+                sum.add(b)
+                return sum
+            }
+            out.retries += h.retries
+            let c = stripe.cache.withLock { $0 }
+            out.cacheHits += c.cacheHits
+            out.cacheMisses += c.cacheMisses
+            out.cacheHitBytes += c.cacheHitBytes
+            out.cacheMissBytes += c.cacheMissBytes
+            out.evictedBlocks += c.evictedBlocks
+            out.evictedBytes += c.evictedBytes
+        }
         out.uptime = monotonicNow() - started
-        out.requests = h.requests
-        out.downloadedBytes = h.downloadedBytes
-        out.requestLatency = h.requestLatency
-        out.retries = h.retries
-        out.cacheHits = c.cacheHits
-        out.cacheMisses = c.cacheMisses
-        out.cacheHitBytes = c.cacheHitBytes
-        out.cacheMissBytes = c.cacheMissBytes
-        out.evictedBlocks = c.evictedBlocks
-        out.evictedBytes = c.evictedBytes
         return out
     }
 
