@@ -221,6 +221,7 @@ extension LockLevel {
     // The stored namespace's log is held across its disk I/O.
     public static let namespaceLog = LockLevel(50, "NamespaceStore.log")
     public static let namespaceWritten = LockLevel(52, "NamespaceStore.written")
+    public static let namespacePending = LockLevel(53, "NamespaceStore.pending")
     public static let listingFlights = LockLevel(54, "Filesystem.listingFlights")
     public static let handles = LockLevel(55, "Filesystem.handles")
     public static let inodeTable = LockLevel(56, "Filesystem.table")

@@ -87,6 +87,9 @@ public final class WorkerPool: Sendable {
     /// Threads ever started (tests).
     var threadsStarted: Int { started.load(ordering: .relaxed) }
 
+    /// Jobs queued and not yet taken by a thread (tests).
+    var queued: Int { state.withLock { $0.waiting } }
+
     /// Waits until no job is queued or running, at most `timeout` seconds; false on time-out.
     public func drain(timeout: Double) -> Bool {
         pending.wait(timeout: timeout)

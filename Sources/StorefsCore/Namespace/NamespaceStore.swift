@@ -43,6 +43,10 @@ public final class NamespaceStore: Sendable {
     /// daemon has forked).
     private let writer: WorkerPool
     private let written = OrderedMutex(.namespaceWritten, Written())
+    /// Records appended but not yet written: the writer takes all of them at once, so a
+    /// burst of opens (a thousand files by 16 threads) costs a few wake-ups and writes, not
+    /// one each.
+    private let pending = OrderedMutex(.namespacePending, [UInt8]())
     private struct Written {
         var files: [ByteName: Int64] = [:]
         var listings: [ByteName: UInt64] = [:]
@@ -225,7 +229,20 @@ public final class NamespaceStore: Sendable {
     }
 
     private func append(_ bytes: [UInt8]) {
-        writer.submit { [self] in write(bytes) }
+        let first = pending.withLock { p -> Bool in
+            defer { p += bytes }
+            return p.isEmpty
+        }
+        // A job is queued while records wait; the first record after it took them queues
+        // the next.
+        guard first else { return }
+        writer.submit { [self] in
+            let all = pending.withLock { p -> [UInt8] in
+                defer { p = [] }
+                return p
+            }
+            write(all)
+        }
     }
 
     private func write(_ bytes: [UInt8]) {
