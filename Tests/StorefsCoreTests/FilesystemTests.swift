@@ -20,6 +20,44 @@ import StorefsTestSupport
         return Array(out.prefix(n))
     }
 
+    /// Every read looks its handle up: 16 readers' lookups go to 16 tables, each under its own
+    /// lock, not to one (docs/architecture.md, "Locks"). Handles opened, read and released on
+    /// many threads at once are each found, and all gone after.
+    @Test func sixteenFilesOpenAtOnceHaveTheirHandlesInSixteenTables() throws {
+        let bytes = pattern(1000, seed: 9)
+        store.put("f", bytes)
+        let fs = makeFS()
+        let f = try fs.lookup(parent: Filesystem.rootInode, name: "f")
+        let opened = try (0..<16).map { _ in try fs.open(f.inode, flags: O_RDONLY).handle }
+        #expect(Set(opened.map(Handles.stripe(of:))).count == 16, "tables of 16 handles: \(opened.map(Handles.stripe(of:)))")
+        for h in opened { fs.release(h) }
+
+        let threads = 16, each = 50
+        let seen = Mutex([UInt64]()), wrong = Atomic<Int>(0)
+        let group = DispatchGroup()
+        for _ in 0..<threads {
+            group.enter()
+            Thread {
+                for _ in 0..<each {
+                    guard let h = try? fs.open(f.inode, flags: O_RDONLY).handle,
+                          (try? read(fs, h, at: 10, count: 20)) == Array(bytes[10..<30]) else {
+                        wrong.add(1, ordering: .relaxed)
+                        continue
+                    }
+                    seen.withLock { $0.append(h) }
+                    fs.release(h)
+                }
+                group.leave()
+            }.start()
+        }
+        group.wait()
+        let handles = seen.withLock { $0 }
+        #expect(wrong.load(ordering: .relaxed) == 0)
+        #expect(handles.count == threads * each && Set(handles).count == handles.count)
+        #expect(fs.handles.count == 0)
+        #expect(throws: FilesystemError.self) { _ = try fs.openFile(handles[0]) }
+    }
+
     @Test func lookupProbesNestedPathsAndDirectoriesWin() throws {
         store.put("a/b/c.txt", Array("hello".utf8))
         store.put("a", Array("shadowed".utf8))

@@ -15,6 +15,6 @@ extension Filesystem {
     /// A handle on directory `path` read from the manifest; nil when its listing is read.
     func manifestDirectoryHandle(_ path: String, _ inode: UInt64) throws(FilesystemError) -> UInt64? {
         guard let manifest, let dir = try manifest.directory(path) else { return nil }
-        return handles.withLock { $0.add(.directory(path: path, inode: inode, source: .manifest(dir))) }
+        return handles.add(.directory(path: path, inode: inode, source: .manifest(dir)))
     }
 }

@@ -75,7 +75,7 @@ extension Filesystem {
         let opened: OpenedDirectory = try openDirectory(inode, network: network)
         let handle = opened.handle
         opened.finishListing()
-        if case .directory(_, _, .stream(let stream))? = handles.withLock({ $0.open[handle] }) { _ = stream.wait() }
+        if case .directory(_, _, .stream(let stream))? = handles[handle] { _ = stream.wait() }
         return handle
     }
 
@@ -92,7 +92,7 @@ extension Filesystem {
         listings.withLock { l in
             if case .snapshot(let s) = source { l.pin(ByteName(path), s) } else { l.pin(ByteName(path), nil) }
         }
-        return handles.withLock { $0.add(.directory(path: path, inode: inode, source: source)) }
+        return handles.add(.directory(path: path, inode: inode, source: source))
     }
 
     /// At most `limit` entries of an open directory from `offset` on (offsets are positions in
@@ -198,7 +198,7 @@ extension Filesystem {
     }
 
     func directorySource(_ handle: UInt64) throws(FilesystemError) -> (String, UInt64, DirectorySource) {
-        guard case .directory(let path, let inode, let source)? = handles.withLock({ $0.open[handle] }) else {
+        guard case .directory(let path, let inode, let source)? = handles[handle] else {
             throw FilesystemError(.staleHandle, "unknown directory handle \(handle)")
         }
         return (path, inode, source)

@@ -1,4 +1,6 @@
 import Glibc
+import Locking
+import Synchronization
 import StorageClient
 
 /// Files: open (pinning a generation), read through the block reader, release.
@@ -15,34 +17,38 @@ extension Filesystem {
             throw FilesystemError(.readOnly, "storefs is read-only")
         }
         _ = try attributes(of: inode, network: network)  // refreshes stale metadata
-        guard let node = table.withLock({ $0.nodes[inode] }) else {
-            throw FilesystemError(.staleHandle, "unknown inode \(inode)")
+        // One look at the inode table: the node, whether it is current, and (for a file that
+        // opens) the generation the kernel cached last.
+        let (looked, current, keep) = table.withLock { t -> (Node?, Bool, Bool) in
+            guard let node = t.nodes[inode] else { return (nil, false, false) }
+            let current = t.isCurrent(inode)
+            guard case .file(let record) = node.kind, !isSymlink(record), current else { return (node, current, false) }
+            // The kernel drops an inode's pages at an open that does not keep them, waiting for
+            // every page other readers are reading in: the first open (no pages yet, or none
+            // since the kernel forgot the inode) keeps them too (docs/architecture.md,
+            // "Overwrites").
+            let previous = t.lastOpenedGeneration.updateValue(record.generation, forKey: inode)
+            return (node, true, previous == nil || previous == record.generation)
         }
+        guard let node = looked else { throw FilesystemError(.staleHandle, "unknown inode \(inode)") }
         guard case .file(let record) = node.kind else { throw FilesystemError(.isDirectory, "\(node.path) is a directory") }
         if isSymlink(record) { throw FilesystemError(.isSymlink, "\(node.path) is a symbolic link") }
         // An inode whose object was replaced or deleted opens nothing: ESTALE makes the kernel
         // look the name up again (LOOKUP_REVAL) and open what the bucket holds now, within
         // this same open(2) (README, "Namespace semantics": overwrites).
-        guard table.withLock({ $0.isCurrent(inode) }) else {
+        guard current else {
             throw FilesystemError(.storage(.generationChanged), "\(node.path): the object was replaced or deleted")
         }
         let meta = record.objectMetadata(name: objectName(of: node.path), bucket: reference.bucket)
-        // The kernel drops an inode's pages at an open that does not keep them, waiting for
-        // every page other readers are reading in: the first open (no pages yet, or none since
-        // the kernel forgot the inode) keeps them too (docs/architecture.md, "Overwrites").
-        let keep = table.withLock { t in
-            let previous = t.lastOpenedGeneration.updateValue(meta.generation, forKey: inode)
-            return previous == nil || previous == meta.generation
-        }
         let stream = reader.openStream(meta)
         stored?.recordFile(node.path, record)
-        let handle = handles.withLock { $0.add(.file(OpenFile(path: node.path, meta: meta, stream: stream))) }
+        let handle = handles.add(.file(OpenFile(path: node.path, meta: meta, stream: stream)))
         // Pages of an object that once served wrong bytes are not kept (docs/integrity.md).
         return OpenResult(handle: handle, keepCache: keep && !stream.everServedWrong)
     }
 
     func openFile(_ handle: UInt64) throws(FilesystemError) -> OpenFile {
-        guard case .file(let file)? = handles.withLock({ $0.open[handle] }) else {
+        guard case .file(let file)? = handles[handle] else {
             throw FilesystemError(.staleHandle, "unknown file handle \(handle)")
         }
         return file
@@ -130,7 +136,7 @@ extension Filesystem {
     }
 
     public func release(_ handle: UInt64) {
-        let closed = handles.withLock { $0.open.removeValue(forKey: handle) }
+        let closed = handles.remove(handle)
         switch closed {
         case .file(let file)?: reader.closeStream(file.stream)
         case .directory(let path, _, _)?: listings.withLock { $0.unpin(ByteName(path)) }
@@ -146,20 +152,41 @@ struct OpenFile {
     var stream: BlockReader.Stream
 }
 
-/// Open files and directories by handle number.
-struct Handles {
+/// Open files and directories by handle number, in `stripeCount` tables each under its own
+/// lock, chosen by the number: every read looks its handle up, and with 16 readers at once one
+/// table's lock was the daemon's most contended (docs/architecture.md, "Locks"). Numbers come
+/// from one counter, so consecutive opens land in different stripes. A thread holds at most
+/// one stripe's lock, and nothing else under it.
+final class Handles: Sendable {
     enum Open {
         case file(OpenFile)
         case directory(path: String, inode: UInt64, source: DirectorySource)
     }
 
-    var open: [UInt64: Open] = [:]
-    var next: UInt64 = 1
+    static let stripeCount = 16
+    private let next = Atomic<UInt64>(1)
+    private final class Stripe: Sendable {
+        let open = OrderedMutex(.handles, [UInt64: Open]())
+    }
+    private let stripes = (0..<Handles.stripeCount).map { _ in Stripe() }
 
-    mutating func add(_ o: Open) -> UInt64 {
-        let h = next
-        next += 1
-        open[h] = o
+    static func stripe(of handle: UInt64) -> Int { Int(handle % UInt64(stripeCount)) }
+
+    /// Adds `o` under a new handle number, never 0 and never reused.
+    func add(_ o: Open) -> UInt64 {
+        let h = next.add(1, ordering: .relaxed).oldValue
+        stripes[Self.stripe(of: h)].open.withLock { $0[h] = o }
         return h
     }
+
+    subscript(handle: UInt64) -> Open? {
+        stripes[Self.stripe(of: handle)].open.withLock { $0[handle] }
+    }
+
+    func remove(_ handle: UInt64) -> Open? {
+        stripes[Self.stripe(of: handle)].open.withLock { $0.removeValue(forKey: handle) }
+    }
+
+    /// Handles open now (tests).
+    var count: Int { stripes.reduce(0) { n, s in n + s.open.withLock { $0.count } } }
 }

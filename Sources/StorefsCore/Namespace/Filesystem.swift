@@ -89,7 +89,7 @@ public final class Filesystem: Sendable {
     let known: OrderedMutex<MetadataCache>
     let listings: OrderedMutex<ListingCache>
     let fullMetadata = OrderedMutex(.fullMetadata, FullMetadataCache(capacity: 4096))
-    let handles = OrderedMutex(.handles, Handles())
+    let handles = Handles()
     let shadowLogged = OrderedMutex(.shadowLogged, Set<ByteName>())
     let listingFlights = OrderedMutex(.listingFlights, [ByteName: ListingFlight]())
     /// Entries held by listings being fetched (`Config.listingEntriesInFlightLimit`).
