@@ -24,7 +24,7 @@ import Synchronization
 //      + the evictor lock                     SharedCache byte 1 (an OFD lock, waited for)
 //   4. CachedObject.indexWriting    (NSLock)  one index write per file (the group commit)
 //   5. index page range locks       (OFD locks on the cache file, across mounts; waited for)
-//   6. BlockCache.state             (Mutex)   objects, the pause
+//   6. BlockCache.state             (Mutex)   objects
 //   7. CachedObject.state           (Mutex)   the index in memory, descriptors, users
 //   8. BlockCache.directories       (Mutex)   the CacheDirectory and `v1/.lock`
 //   9. BlockCache.openFiles         (Mutex)   leaf: never held while an object's lock is taken
@@ -91,10 +91,12 @@ public final class BlockCache: Sendable {
 
     struct State: ~Copyable {
         var objects: [String: CachedObject] = [:]
-        var degradedUntil: Double = 0
     }
+    /// Until when the cache is paused (`degrade`): a `Double` of `now()`'s clock, by its bit
+    /// pattern. Every first open asks (`isDegraded`), so it is an atomic, not under `state`.
+    private let degradedUntil = Atomic<UInt64>(0)
 
-    /// Guards the objects known and the pause. Level 6; taken under a store's `writing`
+    /// Guards the objects known. Level 6; taken under a store's `writing`
     /// (`tracks`), never while an object's `state` is held. Held across disk I/O only while
     /// eviction removes empty files.
     let state = OrderedMutex(.cacheState, State())
@@ -271,10 +273,8 @@ public final class BlockCache: Sendable {
             d.files = fresh
             d.lockFD = lockFD
         }
-        state.withLock { s in
-            s.objects.removeAll()
-            s.degradedUntil = 0
-        }
+        state.withLock { $0.objects.removeAll() }
+        degradedUntil.store(0, ordering: .relaxed)
         // What the deleted files held is gone: counted again from what the directory holds
         // now (other mounts may have made files in it already).
         recount()
@@ -408,14 +408,12 @@ public final class BlockCache: Sendable {
         object.close()
     }
 
-    var isDegraded: Bool { state.withLock { $0.degradedUntil > now() } }
+    var isDegraded: Bool { Double(bitPattern: degradedUntil.load(ordering: .relaxed)) > now() }
 
     func degrade(_ why: String) {
-        let first = state.withLock { s -> Bool in
-            let was = s.degradedUntil > now()
-            s.degradedUntil = now() + Self.degradedSeconds
-            return !was
-        }
+        let t = now()
+        let was = Double(bitPattern: degradedUntil.exchange((t + Self.degradedSeconds).bitPattern, ordering: .relaxed))
+        let first = was <= t
         if first { Log.warn("block cache paused for \(Int(Self.degradedSeconds))s, reads stream uncached: \(why)") }
     }
 
