@@ -16,6 +16,12 @@
  * GET is the floor of a cold random read, and this file's throughput is what FUSE + HTTP give
  * without a block cache (whose writes storefs pays for).
  *
+ * FLOORFS_CACHE_DIR, when set, makes it write what it reads as the least a cache of a file per
+ * object does (bench/run's "the floor writing a file per file" row): an open makes a file under
+ * a temporary name there, each read's bytes are written into it at their offset after the
+ * reply (buffered, no sync, no header, index or checksum), and the release closes it and renames
+ * it to its final name.
+ *
  * Over https (bench/run --tls) two environment variables set what every handle uses:
  * FLOORFS_CA_FILE, a PEM bundle trusted instead of the system store (CURLOPT_CAINFO), and
  * FLOORFS_HTTP_VERSION, 1.1 or 2 (CURLOPT_HTTP_VERSION; libcurl's own default over https is
@@ -33,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #define MAX_REQUEST (1 << 20)
 #define BIG_INO 2          /* NAME */
@@ -44,6 +52,8 @@ static const char *file_name;
 static off_t file_size;
 static const char *ca_file;   /* FLOORFS_CA_FILE, or NULL */
 static long http_version = CURL_HTTP_VERSION_NONE; /* FLOORFS_HTTP_VERSION */
+static int cache_dir_fd = -1; /* FLOORFS_CACHE_DIR, or -1 */
+static unsigned long cache_files; /* names made so far (atomically) */
 
 /* The manifest's files (read once before mounting, never changed after). */
 struct entry {
@@ -212,11 +222,37 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
         return;
     }
     fi->keep_cache = 1;
+    fi->fh = 0;
+    if (cache_dir_fd >= 0) {
+        /* fh: the cache file's descriptor + 1, and its number in the high half. */
+        unsigned long n = __atomic_add_fetch(&cache_files, 1, __ATOMIC_RELAXED);
+        char temp[64];
+        snprintf(temp, sizeof temp, "%lu.tmp", n);
+        int fd = openat(cache_dir_fd, temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0) {
+            fuse_reply_err(req, errno);
+            return;
+        }
+        fi->fh = ((uint64_t)n << 32) | (uint64_t)(fd + 1);
+    }
     fuse_reply_open(req, fi);
 }
 
+static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    (void)ino;
+    if (fi->fh) {
+        int fd = (int)(fi->fh & 0xffffffff) - 1;
+        unsigned long n = (unsigned long)(fi->fh >> 32);
+        char temp[64], final[64];
+        snprintf(temp, sizeof temp, "%lu.tmp", n);
+        snprintf(final, sizeof final, "%lu", n);
+        close(fd);
+        renameat(cache_dir_fd, temp, cache_dir_fd, final);
+    }
+    fuse_reply_err(req, 0);
+}
+
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
-    (void)fi;
     struct entry *e = entry_of(ino);
     off_t fsize = e ? e->size : file_size;
     if (off >= fsize) {
@@ -237,10 +273,13 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
     CURLcode rc = curl_easy_perform(t->curl);
     long status = 0;
     curl_easy_getinfo(t->curl, CURLINFO_RESPONSE_CODE, &status);
-    if (rc != CURLE_OK || status != 206 || s.filled != size)
+    if (rc != CURLE_OK || status != 206 || s.filled != size) {
         fuse_reply_err(req, EIO);
-    else
+    } else {
         fuse_reply_buf(req, t->buf, size);
+        if (fi->fh && pwrite((int)(fi->fh & 0xffffffff) - 1, t->buf, size, off) != (ssize_t)size)
+            fprintf(stderr, "floorfs: a cache write failed: %s\n", strerror(errno));
+    }
     give_slot(t);
 }
 
@@ -322,6 +361,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "floorfs: FLOORFS_HTTP_VERSION must be 1.1 or 2, not '%s'\n", hv);
         return 2;
     }
+    const char *cd = getenv("FLOORFS_CACHE_DIR");
+    if (cd && *cd) {
+        cache_dir_fd = open(cd, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (cache_dir_fd < 0) {
+            fprintf(stderr, "floorfs: FLOORFS_CACHE_DIR %s: %s\n", cd, strerror(errno));
+            return 2;
+        }
+    }
     curl_global_init(CURL_GLOBAL_DEFAULT);
 
     struct fuse_lowlevel_ops ops = {
@@ -330,6 +377,7 @@ int main(int argc, char **argv) {
         .getattr = op_getattr,
         .open = op_open,
         .read = op_read,
+        .release = op_release,
         .readdir = op_readdir,
     };
     char *fargv[] = {argv[0], "-o", "ro,fsname=floorfs,subtype=floorfs,default_permissions", NULL};

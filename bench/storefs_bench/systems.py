@@ -132,6 +132,8 @@ class Mount:
         self.system, self.ctx, self.mnt, self.cache_dir = system, ctx, mnt, cache_dir
         self.proc: subprocess.Popen | None = None
         self.logpath = os.path.join(ctx.workdir, f"{system}.log")
+        # The floor only: write what it reads into a file per file there (FLOORFS_CACHE_DIR).
+        self.floor_cache_writes = False
 
     def argv(self) -> tuple:
         """(argv, fstype it shows in mountinfo) for this system."""
@@ -160,6 +162,8 @@ class Mount:
         env = None
         if self.system == "floor" and self.ctx.pki is not None:
             env = dict(os.environ, FLOORFS_CA_FILE=self.ctx.pki.ca, FLOORFS_HTTP_VERSION="1.1")
+        if self.system == "floor" and self.floor_cache_writes:
+            env = dict(env or os.environ, FLOORFS_CACHE_DIR=self.cache_dir)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
         logf.close()
